@@ -1,0 +1,164 @@
+"""A request as the scheduler sees it: token lists, progress cursor, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from slotserve.errors import RequestValidationError
+from slotserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    # Ordered as in vLLM: everything after PREEMPTED is finished.
+    WAITING = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASON.get(status)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.WAITING_FOR_STREAMING_REQ: "stop",
+}
+
+
+@dataclass(slots=True)
+class StreamingUpdate:
+    """The next chunk of a streaming-input session (a later Request with the same id)."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int
+
+
+def validate_token_ids(token_ids: object, *, allow_empty: bool = False) -> list[int]:
+    if not isinstance(token_ids, list | tuple):
+        raise RequestValidationError("prompt_token_ids must be a list of integers",
+                                     "prompt_token_ids")
+    for t in token_ids:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise RequestValidationError(f"prompt token id {t!r} is not an integer",
+                                         "prompt_token_ids")
+        if t < 0:
+            raise RequestValidationError(f"prompt token id {t} is negative", "prompt_token_ids")
+    if not token_ids and not allow_empty:
+        raise RequestValidationError("the prompt is empty", "prompt")
+    return list(token_ids)
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
+        "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
+        "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
+        "num_preemptions", "block_hashes", "streaming_queue", "max_tokens", "num_prompt_tokens",
+        "last_active_time", "ignored_reason", "__weakref__",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        resumable: bool = False,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestValidationError("request_id must be a non-empty string", "request_id")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise RequestValidationError("sampling_params must be a SamplingParams",
+                                         "sampling_params")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestValidationError("priority must be an integer", "priority")
+        # Empty prompts are legal only as streaming continuations; the scheduler decides.
+        self.prompt_token_ids = validate_token_ids(prompt_token_ids, allow_empty=True)
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.resumable = resumable
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.streaming_queue: deque[StreamingUpdate | None] | None = None
+        self.max_tokens = sampling_params.max_tokens
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.last_active_time = self.arrival_time
+        self.ignored_reason: str | None = None
+
+    # vLLM-style read access; the lists themselves are owned by the request.
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> str | None:
+        return _FINISH_REASON.get(self.status)
+
+    def to_streaming_update(self) -> StreamingUpdate | None:
+        """This request as the next chunk of a session, or None (the end-of-session mark)."""
+        if not self.resumable:
+            return None
+        return StreamingUpdate(self.prompt_token_ids, self.sampling_params, self.arrival_time,
+                               self.priority)
+
+    def __lt__(self, other: Request) -> bool:
+        # Lower priority value first, then earlier arrival, then id for a total order.
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
