@@ -93,3 +93,5 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # True when the request is over and its resources are released.
     finished: bool = False
+    # Why a request was refused or ended by the engine (FINISHED_IGNORED, session timeout).
+    finish_message: str | None = None

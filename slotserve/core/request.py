@@ -50,6 +50,7 @@ class StreamingUpdate:
     sampling_params: SamplingParams
     arrival_time: float
     priority: int
+    eos_token_id: int | None
 
 
 def validate_token_ids(token_ids: object, *, allow_empty: bool = False) -> list[int]:
@@ -73,7 +74,7 @@ class Request:
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "num_preemptions", "block_hashes", "streaming_queue", "max_tokens", "num_prompt_tokens",
-        "last_active_time", "ignored_reason", "__weakref__",
+        "last_active_time", "ignored_reason", "_eos_token_id", "__weakref__",
     )
 
     def __init__(
@@ -101,6 +102,7 @@ class Request:
         self.prompt_token_ids = validate_token_ids(prompt_token_ids, allow_empty=True)
         self.request_id = request_id
         self.sampling_params = sampling_params
+        self._eos_token_id = eos_token_id
         self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -152,7 +154,7 @@ class Request:
         if not self.resumable:
             return None
         return StreamingUpdate(self.prompt_token_ids, self.sampling_params, self.arrival_time,
-                               self.priority)
+                               self.priority, self._eos_token_id)
 
     def __lt__(self, other: Request) -> bool:
         # Lower priority value first, then earlier arrival, then id for a total order.

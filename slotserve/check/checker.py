@@ -1,0 +1,165 @@
+"""The invariant checker.
+
+It applies each SchedulerOutput to its own model of the worker's slot table and block tables
+(independent of the scheduler's SlotLedger) and of the block pool, and raises
+InvariantViolation naming the request and the rule the moment they disagree:
+
+- slot rule: after the releases and (re)claims of a step, holders <= max_num_seqs;
+- every cached request holds a slot, every new request is re-added or claims one;
+- every release is of a holder, and every holder is eventually released;
+- scheduled token counts are positive, sum to the total, fit the budget, and stay within
+  each request's tokens and max_model_len; each scheduled token has a KV slot;
+- the worker's block table for each request equals the KV manager's;
+- free + used blocks == usable blocks; the scheduler's ledger mirrors the worker model;
+- once everything has finished, no block is in use and no slot is held.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from slotserve.core.request import RequestStatus
+from slotserve.errors import InvariantViolation
+
+if TYPE_CHECKING:
+    from slotserve.core.outputs import SchedulerOutput
+    from slotserve.core.scheduler import Scheduler
+    from slotserve.worker.slots import RequestSlots
+
+
+def checking_enabled(check: bool | None = None) -> bool:
+    if check is not None:
+        return check
+    return os.environ.get("SLOTSERVE_CHECK", "") not in ("", "0", "false", "False")
+
+
+def _fail(rule: str, message: str) -> None:
+    raise InvariantViolation(f"[{rule}] {message}")
+
+
+class InvariantChecker:
+    def __init__(self, scheduler: Scheduler, full_block_scan_every: int = 1) -> None:
+        self.scheduler = scheduler
+        self.max_num_seqs = scheduler.max_num_running_reqs
+        # Worker model: slot holders and their block tables.
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_steps = 0
+        self.full_block_scan_every = max(1, full_block_scan_every)
+
+    @property
+    def holders(self) -> set[str]:
+        return set(self.block_tables)
+
+    def on_schedule(self, out: SchedulerOutput) -> None:
+        """Check one output right after schedule() returned it."""
+        self.num_steps += 1
+        tables = self.block_tables
+        sched = self.scheduler
+        # 1. Releases, as the worker applies them.
+        for req_id in out.preempted_req_ids:
+            if req_id not in tables:
+                _fail("release", f"request {req_id!r} is reported preempted but holds no slot")
+            del tables[req_id]
+        for req_id in out.finished_req_ids:
+            tables.pop(req_id, None)
+        # 2. New requests: drop a stale same-id slot, then claim one.
+        new_ids = set()
+        for new in out.scheduled_new_reqs:
+            rid = new.req_id
+            if rid in new_ids:
+                _fail("unique", f"request {rid!r} appears twice in scheduled_new_reqs")
+            new_ids.add(rid)
+            tables.pop(rid, None)
+            if len(tables) >= self.max_num_seqs:
+                _fail("slot rule", f"No free indices: request {rid!r} needs a worker slot but "
+                      f"all {self.max_num_seqs} are held by {sorted(tables)}")
+            tables[rid] = list(new.block_ids)
+            if new.prefill_token_ids[:len(new.prompt_token_ids)] != new.prompt_token_ids:
+                _fail("tokens", f"request {rid!r}: prefill_token_ids does not start with the prompt")
+        # 3. Cached requests must already hold a slot.
+        cached = out.scheduled_cached_reqs
+        for rid, nb in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid not in tables:
+                _fail("cached holds slot", f"cached request {rid!r} has no worker slot")
+            if rid in new_ids:
+                _fail("unique", f"request {rid!r} is both new and cached")
+            if nb:
+                tables[rid].extend(nb)
+        # 4. Token counts and budget.
+        scheduled = out.num_scheduled_tokens
+        if set(scheduled) != new_ids | set(cached.req_ids):
+            _fail("tokens", "num_scheduled_tokens keys differ from the new and cached requests")
+        total = 0
+        bs = sched.block_size
+        kv = sched.kv_cache_manager
+        for rid, n in scheduled.items():
+            if n <= 0:
+                _fail("tokens", f"request {rid!r} is scheduled {n} tokens")
+            total += n
+            r = sched.requests.get(rid)
+            if r is None or r.status != RequestStatus.RUNNING:
+                _fail("state", f"scheduled request {rid!r} is not RUNNING ({r!r})")
+            assert r is not None
+            # num_computed_tokens was advanced optimistically by schedule().
+            if r.num_computed_tokens > r.num_tokens:
+                _fail("tokens", f"request {rid!r} computes past its tokens: {r!r}")
+            if r.num_computed_tokens > sched.max_model_len:
+                _fail("max_model_len", f"request {rid!r} goes past max_model_len: {r!r}")
+            table = tables[rid]
+            if len(table) * bs < r.num_computed_tokens:
+                _fail("kv slots", f"request {rid!r} has {len(table)} blocks for "
+                      f"{r.num_computed_tokens} tokens")
+            held = kv.get_block_ids(rid)
+            if len(held) != len(table) or (rid in new_ids and held != table):
+                _fail("block table", f"request {rid!r}: worker blocks {table} vs KV manager {held}")
+        if total != out.total_num_scheduled_tokens:
+            _fail("tokens", f"total_num_scheduled_tokens {out.total_num_scheduled_tokens} != {total}")
+        if total > sched.max_num_scheduled_tokens:
+            _fail("budget", f"{total} tokens scheduled over a budget of "
+                  f"{sched.max_num_scheduled_tokens}")
+        # 5. The scheduler's ledger must mirror the worker model.
+        if sched.slot_ledger.holders != tables.keys():
+            _fail("ledger", f"ledger {sorted(sched.slot_ledger.holders)} != worker model "
+                  f"{sorted(tables)}")
+        for rid in sched.running:
+            if rid.request_id not in tables:
+                _fail("running holds slot", f"running request {rid.request_id!r} has no slot")
+        if self.num_steps % self.full_block_scan_every == 0:
+            self.check_blocks()
+
+    def check_blocks(self) -> None:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        used = sum(1 for b in pool.blocks if b.ref_cnt > 0 and not b.is_null)
+        if free + used != pool.num_usable_blocks:
+            _fail("blocks", f"free {free} + used {used} != usable {pool.num_usable_blocks}")
+        refs: dict[int, int] = {}
+        for blocks in self.scheduler.kv_cache_manager.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in pool.blocks[1:]:
+            if b.ref_cnt != refs.get(b.block_id, 0):
+                _fail("blocks", f"block {b.block_id} has ref_cnt {b.ref_cnt} but "
+                      f"{refs.get(b.block_id, 0)} requests hold it")
+
+    def check_worker_slots(self, slots: RequestSlots) -> None:
+        """The real worker's table must hold exactly the modelled holders."""
+        real = set(slots.req_id_to_index)
+        if real != self.block_tables.keys():
+            _fail("worker slots", f"worker holds {sorted(real)}, the model says "
+                  f"{sorted(self.block_tables)}")
+
+    def assert_drained(self) -> None:
+        sched = self.scheduler
+        if sched.requests:
+            _fail("drain", f"requests left: {sorted(sched.requests)}")
+        pool = sched.kv_cache_manager.block_pool
+        if pool.get_num_free_blocks() != pool.num_usable_blocks:
+            _fail("leak", f"{pool.num_usable_blocks - pool.get_num_free_blocks()} KV blocks "
+                  "still in use after every request finished")
+        if self.block_tables:
+            _fail("leak", f"worker slots still held: {sorted(self.block_tables)}")
+        if sched.slot_ledger.holders:
+            _fail("leak", f"ledger still holds {sorted(sched.slot_ledger.holders)}")
+        self.check_blocks()

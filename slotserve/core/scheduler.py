@@ -1,0 +1,501 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones.
+
+There are no prefill and decode phases. Each request has a cursor, num_computed_tokens, that
+chases num_tokens; a step hands out tokens under max_num_batched_tokens. Worker slots are
+counted by the SlotLedger, which mirrors the worker's table from the outputs emitted here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.core.block_pool import KVCacheBlock
+from slotserve.core.kv_cache_manager import KVCacheManager, cdiv
+from slotserve.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from slotserve.core.request import Request, RequestStatus, StreamingUpdate
+from slotserve.core.request_queue import create_request_queue
+from slotserve.core.sched_utils import check_stop, fold_session_chunk
+from slotserve.core.slot_ledger import SlotLedger
+from slotserve.errors import RequestValidationError
+
+RUNNING = RequestStatus.RUNNING
+PREEMPTED = RequestStatus.PREEMPTED
+PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_paused_sessions: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("the scheduler needs cache_config.num_blocks")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = scheduler_config.policy
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config.block_size, cache_config.num_blocks,
+                                               cache_config.enable_prefix_caching,
+                                               scheduler_config.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Streaming sessions stopped and waiting for their next chunk; they keep KV and slot.
+        self.paused: dict[str, Request] = {}
+        # Releases since the last schedule(); swapped out (not cleared) with each output.
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        self.slot_ledger = SlotLedger(scheduler_config.max_num_seqs)
+        # Outputs for requests that ended outside update_from_output (ignored, timed out).
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+        self._next_timeout_check = 0.0
+
+    # ------------------------------------------------------------------ requests in and out
+    @property
+    def num_waiting_for_streaming_input(self) -> int:
+        return len(self.paused)
+
+    def add_request(self, request: Request) -> None:
+        existing = self.requests.get(request.request_id)
+        if existing is not None:
+            self._add_session_chunk(existing, request)
+            return
+        if not request.prompt_token_ids:
+            raise RequestValidationError("the prompt is empty", "prompt")
+        if request.status != RequestStatus.WAITING or request.num_output_tokens:
+            raise RequestValidationError(f"request {request.request_id!r} was already used",
+                                         "request_id")
+        if request.resumable:
+            request.streaming_queue = deque()
+        reason = self._unfittable_reason(request)
+        if reason is not None:
+            self._ignore(request, reason)
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def _unfittable_reason(self, request: Request) -> str | None:
+        n = request.num_tokens
+        if n >= self.max_model_len:
+            return (f"the prompt has {n} tokens; max_model_len is {self.max_model_len} and at "
+                    "least one token must be generated")
+        usable = self.kv_cache_manager.block_pool.num_usable_blocks
+        if cdiv(n + 1, self.block_size) > usable:
+            return (f"the prompt has {n} tokens and needs {cdiv(n + 1, self.block_size)} KV "
+                    f"blocks; the KV cache has {usable}")
+        return None
+
+    def _ignore(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED_IGNORED
+        request.ignored_reason = reason
+        self._pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], "length", finished=True, finish_message=reason))
+
+    def _add_session_chunk(self, session: Request, request: Request) -> None:
+        if session.streaming_queue is None:
+            raise RequestValidationError(
+                f"duplicate request id {request.request_id!r} (not a streaming session)",
+                "request_id")
+        update = request.to_streaming_update()
+        if session.status != PAUSED:
+            session.streaming_queue.append(update)
+        elif update is None:
+            self._end_paused_session(session, RequestStatus.FINISHED_ABORTED, None)
+        else:
+            self._promote_session(session, update)
+
+    def _end_paused_session(self, session: Request, status: RequestStatus,
+                            message: str | None) -> None:
+        del self.paused[session.request_id]
+        session.status = status
+        self._free_request(session)
+        self._pending_outputs.append(EngineCoreOutput(
+            session.request_id, [], session.get_finished_reason(), finished=True,
+            finish_message=message))
+
+    def _promote_session(self, session: Request, update: StreamingUpdate) -> None:
+        """Apply the next chunk to a paused session and queue it; it keeps KV and slot."""
+        del self.paused[session.request_id]
+        fold_session_chunk(session, update)
+        self.kv_cache_manager.truncate_hashes(session)
+        reason = self._unfittable_reason(session)
+        if reason is not None:
+            self.paused[session.request_id] = session
+            self._end_paused_session(session, RequestStatus.FINISHED_IGNORED, reason)
+            return
+        session.last_active_time = time.monotonic()
+        # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.
+        self.waiting.prepend_request(session)
+
+    def _handle_stopped_request(self, request: Request) -> bool:
+        """A stopped request: True if it is finished, False if a session paused (or resumed)."""
+        if not request.resumable:
+            return True
+        queue = request.streaming_queue
+        if queue and queue[0] is None:
+            queue.popleft()
+            return True
+        # Always pause first (vLLM PR #52717); a queued chunk is applied by promotion.
+        request.status = PAUSED
+        request.last_active_time = time.monotonic()
+        self.paused[request.request_id] = request
+        if queue:
+            update = queue.popleft()
+            assert update is not None
+            self._promote_session(request, update)
+        return False
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None,
+                        finished_status: RequestStatus) -> None:
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if request_ids is None:
+            request_ids = list(self.requests)
+        elif isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        from_waiting = []
+        for req_id in request_ids:
+            r = self.requests.get(req_id)
+            if r is None or r.is_finished():
+                continue
+            if r.status == RUNNING:
+                self.running.remove(r)
+            elif r.status == PAUSED:
+                del self.paused[req_id]
+            else:
+                from_waiting.append(r)
+            r.status = finished_status
+            self._free_request(r)
+        if from_waiting:
+            self.waiting.remove_requests(from_waiting)
+
+    def _free_request(self, request: Request) -> None:
+        req_id = request.request_id
+        self.kv_cache_manager.free(request)
+        self.slot_ledger.release(req_id)
+        self.finished_req_ids.add(req_id)
+        del self.requests[req_id]
+
+    def _preempt_request(self, request: Request) -> None:
+        """Recompute-style preemption; the caller has removed request from running."""
+        self.kv_cache_manager.free(request)
+        request.status = PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        self.slot_ledger.release(request.request_id)
+        self.preempted_req_ids.add(request.request_id)
+
+    def _reclaim_kv(self, request: Request) -> None:
+        """Take the KV (and slot) of a request that holds them while not running."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.slot_ledger.release(request.request_id)
+        self.preempted_req_ids.add(request.request_id)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if reset_running_requests:
+            # Tail first, each prepended: re-admission comes back in the original order.
+            while self.running:
+                self._preempt_request(self.running.pop())
+            # Paused and resumed sessions hold KV too; vLLM 0.33 raises here instead.
+            for r in self._idle_kv_holders():
+                self._reclaim_kv(r)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if not ok and reset_running_requests:
+            raise RuntimeError("KV blocks still in use after preempting every request")
+        return ok
+
+    def _idle_kv_holders(self) -> list[Request]:
+        holds = self.kv_cache_manager.holds_blocks
+        out = [r for r in self.paused.values() if holds(r.request_id)]
+        out.extend(r for r in self.waiting if holds(r.request_id))
+        return out
+
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        if now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + 1.0
+        timeout = self.scheduler_config.streaming_session_timeout_s
+        for r in [r for r in self.paused.values() if now - r.last_active_time > timeout]:
+            self._end_paused_session(r, RequestStatus.FINISHED_ABORTED,
+                                     f"streaming session idle for more than {timeout:g} s")
+
+    # ------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        if self.paused:
+            self._expire_sessions()
+        kv = self.kv_cache_manager
+        budget = self.max_num_scheduled_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        preempted = False
+
+        # Phase A: running requests, in admission order.
+        running = self.running
+        priority = self.policy == "priority"
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = r.num_tokens - r.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, max_model_len - r.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(r, n)
+                if new_blocks is not None:
+                    break
+                if priority:
+                    victim = max(running, key=_priority_key)
+                    vi = running.index(victim)
+                    del running[vi]
+                    if vi < i:
+                        i -= 1
+                    if victim.request_id in num_scheduled:
+                        # Roll back what this step already gave the victim.
+                        budget += num_scheduled.pop(victim.request_id)
+                        del new_blocks_of[victim.request_id]
+                        scheduled_running.remove(victim)
+                else:
+                    victim = running.pop()
+                if victim is r and self._can_never_grow(r):
+                    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    self._free_request(r)
+                    self._pending_outputs.append(EngineCoreOutput(
+                        r.request_id, [], "length", finished=True,
+                        finish_message="the sequence outgrew the whole KV cache"))
+                else:
+                    self._preempt_request(victim)
+                    preempted = True
+                if victim is r:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(r)
+            num_scheduled[r.request_id] = n
+            new_blocks_of[r.request_id] = new_blocks
+            budget -= n
+            i += 1
+
+        # Phase B: waiting requests, only if nobody was preempted this step.
+        scheduled_new: list[Request] = []
+        if not preempted and self.waiting and budget > 0:
+            budget, kv_blocked = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+            # Liveness: nothing can run because idle requests hold the KV cache. Reclaim the
+            # KV of the least important, most recent holder (reported as a preemption).
+            while kv_blocked and not num_scheduled and not self.running:
+                holders = self._idle_kv_holders()
+                if not holders:
+                    break
+                self._reclaim_kv(max(holders, key=_priority_key))
+                budget, kv_blocked = self._schedule_waiting(budget, num_scheduled,
+                                                            scheduled_new)
+
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+
+    def _can_never_grow(self, r: Request) -> bool:
+        # Only r holds blocks and even the whole cache cannot take its next token.
+        pool = self.kv_cache_manager.block_pool
+        held = len(self.kv_cache_manager.get_blocks(r.request_id))
+        return pool.get_num_free_blocks() + held == pool.num_usable_blocks
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          scheduled_new: list[Request]) -> tuple[int, bool]:
+        kv = self.kv_cache_manager
+        ledger = self.slot_ledger
+        waiting = self.waiting
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        chunked = self.scheduler_config.enable_chunked_prefill
+        passed_over: list[Request] = []
+        kv_blocked = False
+        # Idle slot holders (paused or waiting sessions): those not in running.
+        idle_holders = (len(ledger.holders) - len(ledger.releasing)
+                        - (len(self.running) - len(scheduled_new)))
+        paused_holders = sum(1 for rid in self.paused if ledger.holds(rid))
+        waiting_holders = idle_holders - paused_holders
+        while waiting and budget > 0:
+            r = waiting.peek_request()
+            holds_slot = ledger.holds(r.request_id)
+            if not holds_slot and ledger.num_free_slots() <= 0:
+                if waiting_holders <= 0:
+                    break
+                # Pass over it: a later request that already holds a slot may still go.
+                passed_over.append(waiting.pop_request())
+                continue
+            if r.num_computed_tokens == 0:
+                hit_blocks, n_hit = kv.get_computed_blocks(r)
+            else:
+                # A resumed session keeps its KV: no prefix lookup, its own count stands.
+                hit_blocks, n_hit = [], 0
+            computed = r.num_computed_tokens + n_hit
+            n = r.num_tokens - computed
+            if 0 < threshold < n:
+                n = threshold
+            if not chunked and n > budget:
+                break
+            n = min(n, budget)
+            new_blocks = kv.allocate_slots(r, n, n_hit, hit_blocks, full_sequence_must_fit=True)
+            if new_blocks is None:
+                kv_blocked = True
+                break
+            waiting.pop_request()
+            if holds_slot:
+                waiting_holders -= 1
+            ledger.claim(r.request_id)
+            self.running.append(r)
+            if r.num_cached_tokens < 0:
+                r.num_cached_tokens = n_hit
+            r.status = RUNNING
+            r.num_computed_tokens = computed
+            scheduled_new.append(r)
+            num_scheduled[r.request_id] = n
+            budget -= n
+        for r in reversed(passed_over):
+            waiting.prepend_request(r)
+        return budget, kv_blocked
+
+    def _build_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
+                      num_scheduled: dict[str, int],
+                      new_blocks_of: dict[str, list[KVCacheBlock]]) -> SchedulerOutput:
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        new_data = [
+            NewRequestData(r.request_id, list(r.prompt_token_ids), list(r._all_token_ids),
+                           get_block_ids(r.request_id), r.num_computed_tokens, r.sampling_params,
+                           r.num_output_tokens, r.eos_token_id)
+            for r in scheduled_new
+        ]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in scheduled_running],
+            new_block_ids=[[b.block_id for b in nb] if (nb := new_blocks_of[r.request_id])
+                           else None for r in scheduled_running],
+            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+        )
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+        )
+        self.slot_ledger.commit([r.request_id for r in scheduled_new])
+        self.finished_req_ids = set()
+        self.preempted_req_ids = set()
+        # Optimistic advance: the tokens count as computed once they are handed out.
+        for r in scheduled_running:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        for r in scheduled_new:
+            r.num_computed_tokens += num_scheduled[r.request_id]
+        return out
+
+    # ------------------------------------------------------------------------- update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        sampled = model_runner_output.sampled_token_ids
+        index_of = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        requests = self.requests
+        max_model_len = self.max_model_len
+        for req_id in scheduler_output.num_scheduled_tokens:
+            r = requests.get(req_id)
+            if r is None:
+                continue  # finished (e.g. aborted) while the step ran
+            status = r.status
+            if status != RUNNING and status != PREEMPTED:
+                continue  # a stale output for a session that has moved on
+            i = index_of.get(req_id)
+            if i is None:
+                continue
+            generated = sampled[i]
+            if not generated:
+                continue  # a partial prefill samples nothing
+            stopped = False
+            n_new = 0
+            for t in generated:
+                r.append_output_token_ids(t)
+                n_new += 1
+                if check_stop(r, max_model_len):
+                    stopped = True
+                    break
+            new_tokens = generated if n_new == len(generated) else generated[:n_new]
+            lp = None
+            if logprobs is not None and logprobs[i] is not None:
+                lp = logprobs[i][:n_new]
+            if not stopped:
+                outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, lp,
+                                                r.num_cached_tokens))
+                continue
+            finish_reason = r.get_finished_reason()
+            stop_reason = r.stop_reason
+            if status == RUNNING:
+                self.running.remove(r)
+            else:
+                self.waiting.remove_request(r)
+            finished = self._handle_stopped_request(r)
+            if finished:
+                self._free_request(r)
+            outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
+                                            r.num_cached_tokens, finished))
+        return outputs
+
+    # -------------------------------------------------------------------------- queries
+    def get_num_unfinished_requests(self) -> int:
+        # Paused sessions do not keep the engine busy (as in vLLM).
+        return len(self.waiting) + len(self.running)
+
+    def has_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.finished_req_ids
+                    or self.preempted_req_ids or self._pending_outputs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_paused_sessions=len(self.paused),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _priority_key(r: Request) -> tuple[int, float]:
+    # The worst request: the largest priority value, then the latest arrival.
+    return (r.priority, r.arrival_time)
