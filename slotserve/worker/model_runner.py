@@ -1,0 +1,265 @@
+"""The worker: applies each SchedulerOutput to its slot table, runs one forward pass over all
+scheduled tokens, samples the requests whose prefill is complete.
+
+Everything the runner knows arrives in SchedulerOutput (DESIGN.md section 2). It keeps its own
+copy of each request's tokens in persistent per-slot buffers (`InputBatch`), and appends what it
+samples, because those tokens are the next step's decode inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from slotserve.errors import InvariantViolation
+from slotserve.models.attention import AttentionMetadata, PrefillSpan
+from slotserve.models.config import ModelConfig
+from slotserve.models.llama import LlamaForCausalLM
+from slotserve.models.loader import load_model, parse_dtype
+from slotserve.worker.input_batch import InputBatch
+from slotserve.worker.kv_cache import allocate_kv_cache, determine_num_blocks
+from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
+from slotserve.worker.slots import RequestSlots
+
+logger = logging.getLogger(__name__)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: str | Path | tuple[LlamaForCausalLM, ModelConfig],
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        kv_cache_memory: int | float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = parse_dtype(dtype)
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        if isinstance(model, tuple):
+            self.model, self.model_config = model
+        else:
+            self.model, self.model_config = load_model(model, self.dtype, self.device,
+                                                       max_positions=self.max_model_len + 1)
+        if self.model.rope_cos.shape[0] <= self.max_model_len:
+            self.model.init_rope(self.max_model_len + 1)
+        cfg = self.model_config
+        if cfg.sliding_window is not None and cfg.sliding_window < self.max_model_len:
+            logger.warning("model has sliding_window=%d < max_model_len=%d; slotserve attends "
+                           "over the full context", cfg.sliding_window, self.max_model_len)
+
+        if kv_cache_memory is None:
+            kv_cache_memory = getattr(cache_config, "kv_cache_memory", None)
+        spec = determine_num_blocks(cfg, self.block_size, self.dtype, self.device,
+                                    cache_config.num_blocks, kv_cache_memory,
+                                    scheduler_config.max_num_seqs, self.max_model_len)
+        self.num_blocks = spec.num_blocks
+        self.kv_caches = allocate_kv_cache(cfg, spec, self.dtype, self.device)
+
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.slots = RequestSlots(self.max_num_seqs)
+        self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size)
+        self.sampler = Sampler(self.device, seed)
+        self.vocab_size = cfg.vocab_size
+        self.last_forward_s = 0.0
+
+    # ---------------------------------------------------------------- state updates
+    def _apply_state(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            slot = self.slots.req_id_to_index.get(req_id)
+            if slot is not None:
+                self.batch.remove_request(slot)
+        # Releases, stale same-id slots and claims, in the contract's order, with typed errors.
+        new_slots = self.slots.apply(so)
+        for new, slot in zip(so.scheduled_new_reqs, new_slots, strict=True):
+            self.batch.add_request(slot, new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens, strict=True):
+            self.batch.update_cached(self.slots.req_id_to_index[req_id], new_blocks,
+                                     num_computed)
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = scheduler_output
+        self._apply_state(so)
+        self.last_forward_s = 0.0
+        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+        b = self.batch
+        index = self.slots.req_id_to_index
+        ids = list(so.num_scheduled_tokens)
+        try:
+            slots = np.fromiter((index[r] for r in ids), dtype=np.int64, count=len(ids))
+        except KeyError as exc:
+            raise InvariantViolation(f"scheduled request {exc.args[0]!r} holds no worker "
+                                     f"slot") from exc
+        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        # Single-token requests first: they form the batched decode group in attention.
+        order = np.argsort(q_lens > 1, kind="stable")
+        slots, q_lens = slots[order], q_lens[order]
+        req_ids = [ids[i] for i in order]
+        num_computed = b.num_computed_tokens[slots]
+        seq_lens = num_computed + q_lens
+        if (seq_lens > b.num_tokens[slots]).any() or (q_lens <= 0).any():
+            bad = int(np.argmax((seq_lens > b.num_tokens[slots]) | (q_lens <= 0)))
+            raise InvariantViolation(
+                f"request {req_ids[bad]!r}: {int(q_lens[bad])} tokens scheduled after "
+                f"{int(num_computed[bad])} computed, but the worker knows "
+                f"{int(b.num_tokens[slots[bad]])} tokens")
+
+        input_ids, positions, meta = self._prepare_inputs(req_ids, slots, q_lens, num_computed)
+        cu = np.cumsum(q_lens)
+        # Only requests whose prefill completes this step produce a token.
+        done = seq_lens == b.num_tokens[slots]
+        sample_rows = np.nonzero(done)[0]
+        logits_idx = torch.from_numpy(cu[sample_rows] - 1).to(self.device)
+        sample_slots = slots[sample_rows]
+        sampling_meta = self._sampling_metadata(sample_slots)
+
+        start = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        sampled_out = self.sampler(logits, sampling_meta)
+        sampled = sampled_out.sampled.cpu().numpy()
+        self.last_forward_s = time.perf_counter() - start
+
+        b.num_computed_tokens[slots] = seq_lens
+        b.append_sampled(sample_slots, sampled)
+        return self._make_output(req_ids, sample_rows, sampled, sample_slots, sampled_out)
+
+    def _prepare_inputs(self, req_ids: list[str], slots: np.ndarray, q_lens: np.ndarray,
+                        num_computed: np.ndarray
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        b, bs, dev = self.batch, self.block_size, self.device
+        num_reqs = len(slots)
+        cu = np.cumsum(q_lens)
+        starts = cu - q_lens
+        total = int(cu[-1])
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(total) - starts[req_of_token] + num_computed[req_of_token]
+        rows = slots[req_of_token]
+        block_pos = positions // bs
+        if (block_pos >= b.num_blocks[rows]).any():
+            bad = int(np.argmax(block_pos >= b.num_blocks[rows]))
+            raise InvariantViolation(
+                f"request {req_ids[req_of_token[bad]]!r} has no KV block for position "
+                f"{int(positions[bad])} ({int(b.num_blocks[rows[bad]])} blocks held)")
+        input_ids = b.token_ids[rows, positions]
+        slot_mapping = b.block_table[rows, block_pos] * bs + positions % bs
+
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping).to(dev))
+        nd = int(np.searchsorted(q_lens > 1, True))  # decodes come first
+        if nd:
+            ctx = num_computed[:nd] + 1
+            max_blocks = int(math.ceil(int(ctx.max()) / bs))
+            meta.num_decodes = nd
+            meta.decode_max_blocks = max_blocks
+            meta.decode_block_ids = torch.from_numpy(
+                np.ascontiguousarray(b.block_table[slots[:nd], :max_blocks]).reshape(-1)).to(dev)
+            mask = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
+            meta.decode_mask = torch.from_numpy(mask).to(dev).view(nd, 1, 1, -1)
+        for i in range(nd, num_reqs):
+            nc, n = int(num_computed[i]), int(q_lens[i])
+            span = PrefillSpan(start=int(starts[i]), end=int(cu[i]), num_computed=nc)
+            if nc > 0:
+                ctx_len = nc + n
+                nb = math.ceil(ctx_len / bs)
+                span.block_ids = torch.from_numpy(b.block_table[slots[i], :nb].copy()).to(dev)
+                allowed = (np.arange(ctx_len)[None, :]
+                           <= (nc + np.arange(n))[:, None])
+                span.mask = torch.from_numpy(allowed).to(dev).view(1, 1, n, ctx_len)
+            meta.prefills.append(span)
+        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta)
+
+    def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
+        b, dev = self.batch, self.device
+
+        def t(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+
+        temp = b.temperature[slots]
+        meta = SamplingMetadata(temperature=t(temp), all_greedy=bool((temp < 1e-5).all()))
+        if len(slots) == 0:
+            return meta
+        if not meta.all_greedy:
+            top_k, top_p, min_p = b.top_k[slots], b.top_p[slots], b.min_p[slots]
+            if (top_k > 0).any():
+                meta.top_k = t(top_k)
+            if (top_p < 1.0).any():
+                meta.top_p = t(top_p)
+            if (min_p > 0.0).any():
+                meta.min_p = t(min_p)
+            seeds = {row: mix_seed(b.seeds[s], b.num_output_tokens(s))
+                     for row, s in enumerate(slots.tolist()) if b.seeds[s] is not None}
+            meta.row_seeds = seeds or None
+        rep = b.repetition_penalty[slots]
+        if (rep != 1.0).any():
+            meta.repetition_penalty = t(rep)
+            meta.prompt_output_ids = t(b.padded_tokens(slots, np.zeros_like(slots),
+                                                       b.num_tokens[slots], self.vocab_size))
+        freq, pres = b.frequency_penalty[slots], b.presence_penalty[slots]
+        if (freq != 0.0).any() or (pres != 0.0).any():
+            meta.frequency_penalty, meta.presence_penalty = t(freq), t(pres)
+            meta.output_ids = t(b.padded_tokens(slots, b.num_prompt_tokens[slots],
+                                                b.num_tokens[slots], self.vocab_size))
+        n_out = b.num_tokens[slots] - b.num_prompt_tokens[slots]
+        below = np.nonzero(n_out < b.min_tokens[slots])[0]
+        pairs = [(int(row), tok) for row in below for tok in b.min_tokens_stop_ids[slots[row]]
+                 if 0 <= tok < self.vocab_size]
+        if pairs:
+            rows, toks = zip(*pairs, strict=True)
+            meta.masked_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+            meta.masked_tokens = torch.tensor(toks, dtype=torch.int64, device=dev)
+        nlp = b.num_logprobs[slots]
+        if (nlp >= 0).any():
+            meta.max_num_logprobs = int(nlp.max())
+        return meta
+
+    def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
+                     sample_slots: np.ndarray, out: SamplerOutput) -> ModelRunnerOutput:
+        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        for row, tok in zip(sample_rows.tolist(), sampled.tolist(), strict=True):
+            sampled_lists[row] = [tok]
+        logprobs: list[list[LogprobsEntry] | None] | None = None
+        if out.sampled_logprobs is not None:
+            nlp_all = self.batch.num_logprobs
+            logprobs = [[] if nlp_all[self.slots.req_id_to_index[r]] >= 0 else None
+                        for r in req_ids]
+            lp = out.sampled_logprobs.cpu().tolist()
+            top_ids = out.topk_ids.cpu().tolist() if out.topk_ids is not None else None
+            top_lp = out.topk_logprobs.cpu().tolist() if out.topk_logprobs is not None else None
+            for i, (row, slot) in enumerate(zip(sample_rows.tolist(), sample_slots.tolist(),
+                                                strict=True)):
+                n = int(nlp_all[slot])
+                if n < 0:
+                    continue
+                entry: LogprobsEntry = {int(sampled[i]): float(lp[i])}
+                if n and top_ids is not None and top_lp is not None:
+                    for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
+                        entry.setdefault(tok, float(val))
+                logprobs[row] = [entry]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs,
+        )

@@ -1,0 +1,173 @@
+"""Token sampling for one step, vectorised across the batch.
+
+Order of operations (per row): raw log-softmax for logprobs; min_tokens masking; repetition
+penalty (HF semantics, over prompt + output), frequency and presence penalties (over output);
+greedy rows take the argmax here; the others go through temperature, min-p, top-k, top-p and an
+exponential-race draw (argmax of probs / Exp(1) noise, which samples from probs exactly).
+
+Seeded rows draw their noise from a generator seeded by (seed, index of the output token), so a
+request's draw does not depend on what else is in the batch, nor on whether it was preempted
+and recomputed in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A splitmix64-style hash of (seed, output index) -> a 63-bit generator seed."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Everything the sampler needs for N rows; optional parts are None when no row uses them."""
+
+    temperature: torch.Tensor  # [N] float32; rows below 1e-5 are greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [N] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [N] float32, 1.0 = off
+    min_p: torch.Tensor | None = None  # [N] float32, 0.0 = off
+    # row -> seed for the row's own generator (seed already mixed with the output index)
+    row_seeds: dict[int, int] | None = None
+    # Penalties: [N] floats, and the token histories as [N, L] int64 padded with vocab_size.
+    repetition_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    prompt_output_ids: torch.Tensor | None = None  # for the repetition penalty
+    output_ids: torch.Tensor | None = None  # for frequency / presence
+    # min_tokens: (row, token id) pairs to mask to -inf.
+    masked_rows: torch.Tensor | None = None
+    masked_tokens: torch.Tensor | None = None
+    # The largest logprobs count asked for by any row (None: no row wants logprobs).
+    max_num_logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled: torch.Tensor  # [N] int64
+    # When logprobs were asked for: the sampled token's raw logprob [N] and the raw top-k
+    # ids/logprobs [N, max_num_logprobs].
+    sampled_logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+
+
+def token_presence(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] ids padded with vocab_size -> [N, vocab] counts (the padding column is dropped)."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, ids: torch.Tensor,
+                             penalty: torch.Tensor) -> torch.Tensor:
+    """HF semantics: a seen token's logit is divided by p when positive, multiplied when not."""
+    seen = token_presence(ids, logits.shape[1]) > 0
+    p = penalty.unsqueeze(1).to(logits.dtype)
+    penalised = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_frequency_presence(logits: torch.Tensor, ids: torch.Tensor, frequency: torch.Tensor,
+                             presence: torch.Tensor) -> torch.Tensor:
+    counts = token_presence(ids, logits.shape[1]).to(logits.dtype)
+    return (logits - frequency.unsqueeze(1) * counts
+            - presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    vocab = logits.shape[1]
+    if top_p is None and top_k is not None:
+        # top-k alone needs only the k-th largest value, not a full sort.
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kmax = int(k.max())
+        kth = logits.topk(kmax, dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        return logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=1)  # ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=1).cumsum(dim=1)
+        # Drop the low tail whose mass is at most 1 - p; the top token always survives.
+        drop = cum <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.device = torch.device(device)
+        # One generator for every unseeded row, so unseeded draws stay cheap and batched.
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        if meta.masked_rows is not None and meta.masked_tokens is not None:
+            logits = logits.index_put((meta.masked_rows, meta.masked_tokens),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if meta.repetition_penalty is not None and meta.prompt_output_ids is not None:
+            logits = apply_repetition_penalty(logits, meta.prompt_output_ids,
+                                              meta.repetition_penalty)
+        if (meta.frequency_penalty is not None and meta.presence_penalty is not None
+                and meta.output_ids is not None):
+            logits = apply_frequency_presence(logits, meta.output_ids, meta.frequency_penalty,
+                                              meta.presence_penalty)
+
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            sampled = greedy
+        else:
+            sampled = self._sample(logits, meta)
+            sampled = torch.where(meta.temperature < _GREEDY_EPS, greedy, sampled)
+
+        out = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            out.sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+            if meta.max_num_logprobs:
+                top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
+                out.topk_ids, out.topk_logprobs = top.indices, top.values
+        return out
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        # Greedy rows get temperature 1 so the division is harmless; their result is replaced.
+        temp = torch.where(meta.temperature < _GREEDY_EPS, 1.0, meta.temperature)
+        logits = logits / temp.unsqueeze(1)
+        if meta.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            threshold = meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = meta.row_seeds or {}
+        if len(seeded) < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
+        for row, seed in seeded.items():
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(seed)
+            noise[row].exponential_(generator=gen)
+        # Exp(1) can round to 0; a zero would turn a masked (0-probability) token into NaN.
+        return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
