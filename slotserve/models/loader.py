@@ -116,7 +116,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"cannot read weights file {str(file)!r}: {exc}") from exc
-    missing = [n for n, p in params.items() if filled[n] < p.shape[0]]
+    missing = [_checkpoint_names(n) for n, p in params.items() if filled[n] < p.shape[0]]
     if missing:
         raise ModelLoadError(f"weights missing from {str(folder)!r}: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
@@ -127,6 +127,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                 cfg.architecture, folder, cfg.num_hidden_layers, cfg.hidden_size,
                 cfg.num_attention_heads, cfg.num_key_value_heads, torch_dtype, dev)
     return model, cfg
+
+
+def _checkpoint_names(param: str) -> str:
+    """Our parameter name as the checkpoint spells it (a fused one lists its parts)."""
+    for fused in {ours for ours, _ in _FUSED.values()}:
+        if f".{fused}." in param:
+            prefix, kind = param.split(f".{fused}.")
+            return "/".join(f"{prefix}.{hf}.{kind}" for hf, (ours, _) in _FUSED.items()
+                            if ours == fused)
+    return param
 
 
 def _copy_tensor(cfg: ModelConfig, params: dict[str, torch.Tensor], key: str,
