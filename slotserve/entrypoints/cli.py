@@ -1,0 +1,151 @@
+"""`slotserve` command line: `slotserve generate "To be, or not"` streams from the bundled model.
+
+Other subcommands plug in from their own modules: if `slotserve.entrypoints.serve_cli` exists,
+its `register_subcommands(subparsers)` is called with this parser's subparsers object. Each
+subcommand sets `func` (via `set_defaults(func=...)`), a callable taking the parsed
+`argparse.Namespace` and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+DEFAULT_PROMPT = "To be, or not"
+# Modules that add subcommands (serve, bench serve, ...); missing ones are skipped.
+PLUGIN_MODULES = ("slotserve.entrypoints.serve_cli",)
+
+
+def default_num_threads() -> int:
+    try:
+        available = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        available = os.cpu_count() or 1
+    # Past a handful of threads small decode batches gain nothing and contend with the
+    # Python side of the engine.
+    return max(1, min(available, 8))
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine flags shared by subcommands that build an engine."""
+    parser.add_argument("--model", default=None,
+                        help="local Hugging Face model folder (default: the bundled model)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
+    parser.add_argument("--check", action="store_true",
+                        help="run the scheduler/worker invariant checker every step")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch CPU threads (default: {default_num_threads()})")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "model": args.model, "dtype": args.dtype, "device": args.device,
+        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
+        "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory,
+        "enable_prefix_caching": not args.no_prefix_caching, "policy": args.policy,
+        "check": args.check or None,
+    }
+
+
+def set_threads(threads: int | None) -> int:
+    import torch
+
+    n = threads if threads is not None and threads > 0 else default_num_threads()
+    torch.set_num_threads(n)
+    return n
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    threads = set_threads(args.threads)
+    from slotserve.engine.llm_engine import LLMEngine
+    from slotserve.engine.processor import apply_chat_template
+    from slotserve.errors import SlotServeError
+    from slotserve.outputs import RequestOutputKind
+    from slotserve.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        engine = LLMEngine.from_engine_args(**engine_kwargs_from_args(args))
+        prompt: object = args.prompt
+        if args.chat:
+            prompt = apply_chat_template(engine.tokenizer,
+                                         [{"role": "user", "content": args.prompt}])
+        engine.add_request("cli-0", prompt, params, output_kind=RequestOutputKind.DELTA)
+    except SlotServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = sys.stdout
+    if not args.chat:
+        out.write(args.prompt)
+        out.flush()
+    start, num_tokens, reason = time.monotonic(), 0, None
+    while engine.has_unfinished_requests():
+        for result in engine.step():
+            completion = result.outputs[0]
+            num_tokens += len(completion.token_ids)
+            if completion.text:
+                out.write(completion.text)
+                out.flush()
+            reason = completion.finish_reason or reason
+    out.write("\n")
+    out.flush()
+    elapsed = time.monotonic() - start
+    print(f"[{num_tokens} tokens in {elapsed:.2f} s, {num_tokens / max(elapsed, 1e-9):.1f} "
+          f"tok/s, {threads} threads, finish_reason={reason}]", file=sys.stderr)
+    return 1 if reason == "error" else 0
+
+
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="stream a completion to the terminal")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=150)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the chat template")
+    add_engine_arguments(p)
+    p.set_defaults(func=_cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slotserve", description="slotserve LLM engine")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(subparsers)
+    for name in PLUGIN_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the plugin exists but is broken: say so
+                raise
+            continue
+        module.register_subcommands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
