@@ -1,0 +1,140 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+Every error the server returns, from a bad field to a failed model step, goes through here so
+clients (the official `openai` package among them) can parse it the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slotserve.errors import EngineDeadError, RequestValidationError
+
+logger = logging.getLogger(__name__)
+
+# The `type` strings the OpenAI API uses, so clients map them to the right exception class.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    return bad_request(exc.message, exc.param)
+
+
+_SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_type_tag(part: object) -> bool:
+    # Union members appear in pydantic locations as tags ("str", "list[int]", "ChatMessage");
+    # a client knows only its own field names and indexes.
+    return isinstance(part, str) and (part in _SCALAR_TAGS or "[" in part or part[:1].isupper())
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    # FastAPI prefixes body locations with "body".
+    parts = [str(p) for p in loc
+             if p not in ("body", "query", "path", "header") and not _is_type_tag(p)]
+    return ".".join(parts) or None
+
+
+def from_pydantic_errors(errors: list[Any]) -> APIError:
+    """The first pydantic error, named by its field path (`messages.0.role`)."""
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"invalid JSON body: {first.get('msg', '')}", None, "invalid_json")
+    loc = tuple(first.get("loc", ()))
+    param = _loc_to_param(loc)
+    msg = first.get("msg", "invalid value")
+    if any(_is_type_tag(p) for p in loc):
+        # A union field: pydantic reports every member's complaint; the first alone misleads.
+        tried = sorted({str(p) for e in errors for p in e.get("loc", ()) if _is_type_tag(p)})
+        msg = f"invalid value; expected one of: {', '.join(tried)}"
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Any exception turned into the error response a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, ValidationError):
+        return from_pydantic_errors(exc.errors())
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is dead: {exc}", code="engine_dead")
+    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Make FastAPI's own errors (404 route, 405 method, validation) OpenAI-shaped too."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        return from_exception(exc).response()
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
+        return APIError(exc.status_code, str(exc.detail or phrase)).response()
+
+    async def on_fastapi_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, FastAPIValidationError)
+        return from_pydantic_errors(list(exc.errors())).response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return from_exception(exc).response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_api_error)
+    app.add_exception_handler(ValidationError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(FastAPIValidationError, on_fastapi_validation)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,189 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then the same engine path."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from slotserve.core.outputs import LogprobsEntry
+from slotserve.engine.processor import ProcessedRequest
+from slotserve.entrypoints.openai.errors import bad_request
+from slotserve.entrypoints.openai.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    random_uuid,
+)
+from slotserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceState,
+    OpenAIServing,
+    json_response,
+    merge_generators,
+    sse,
+    stream_error,
+    to_api_error,
+    until_disconnected,
+)
+from slotserve.outputs import RequestOutput
+
+# Used only when a tokenizer has no chat template of its own.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Messages -> prompt token ids through the tokenizer's chat template."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
+        raise bad_request("continue_final_message needs add_generation_prompt=false and a "
+                          "final assistant message", "continue_final_message")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template,
+            **(template_kwargs or {}))
+    except Exception as exc:  # noqa: BLE001 - the template refused these messages
+        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    # The template writes BOS itself where the model wants one.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        params = req.to_sampling_params(req.requested_max_tokens())
+        prompt_ids = render_chat(self.engine.tokenizer, req.messages,
+                                 add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 template_kwargs=req.chat_template_kwargs)
+        request_id = f"chatcmpl-{random_uuid()}"
+        processed = self.prepare(prompt_ids, params, request_id, req.priority)
+        created = int(time.time())
+        outputs = merge_generators([self.engine.generate(processed)])
+        if req.stream:
+            response = await self.stream(
+                raw, outputs, lambda first, rest: self._frames(
+                    req, processed, request_id, created, model, first, rest))
+            return response if response is not None else Response(status_code=499)
+        try:
+            result = await until_disconnected(
+                raw, self._collect(req, processed, request_id, created, model, outputs))
+        except Exception as exc:
+            raise to_api_error(exc) from exc
+        if result is None:
+            return Response(status_code=499)
+        return json_response(result)
+
+    def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
+                  num_top: int) -> ChatChoiceLogProbs:
+        content = []
+        for token_id, entry in zip(token_ids, entries or [], strict=False):
+            token = self.token_text(token_id)
+            top = [ChatLogProb(token=self.token_text(t), logprob=lp,
+                               bytes=list(self.token_text(t).encode()))
+                   for t, lp in self.top_entries(entry, num_top)]
+            content.append(ChatLogProbsContent(
+                token=token, logprob=entry.get(token_id, float("-inf")),
+                bytes=list(token.encode()), top_logprobs=top))
+        return ChatChoiceLogProbs(content=content)
+
+    async def _collect(self, req: ChatCompletionRequest, processed: ProcessedRequest,
+                       request_id: str, created: int, model: str,
+                       outputs: AsyncIterator[tuple[int, RequestOutput]]
+                       ) -> ChatCompletionResponse:
+        states = [ChoiceState() for _ in range(req.n)]
+        cached = 0
+        async for _, out in outputs:
+            cached = out.num_cached_tokens
+            for c in out.outputs:
+                states[c.index].add(c, keep=True)
+        choices = [ChatCompletionResponseChoice(
+            index=k, message=ChatResponseMessage(content="".join(st.text_parts)),
+            logprobs=(self._logprobs(st.token_ids, st.logprobs, req.top_logprobs or 0)
+                      if req.logprobs else None),
+            finish_reason=st.finish_reason, stop_reason=st.stop_reason)
+            for k, st in enumerate(states)]
+        usage = self.usage(len(processed.prompt_token_ids),
+                           sum(st.num_tokens for st in states), cached)
+        return ChatCompletionResponse(id=request_id, created=created, model=model,
+                                      choices=choices, usage=usage)
+
+    async def _frames(self, req: ChatCompletionRequest, processed: ProcessedRequest,
+                      request_id: str, created: int, model: str,
+                      first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        states = [ChoiceState() for _ in range(req.n)]
+        num_prompt = len(processed.prompt_token_ids)
+        opts = req.stream_options
+        include_usage = opts is not None and opts.include_usage
+        continuous = include_usage and opts is not None and opts.continuous_usage_stats
+        cached = 0
+
+        def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                choices=choices)
+            if continuous:
+                body.usage = self.usage(num_prompt, sum(s.num_tokens for s in states), cached)
+            return sse(body)
+
+        def frames_for(out: RequestOutput) -> list[str]:
+            nonlocal cached
+            cached = out.num_cached_tokens
+            frames = []
+            for c in out.outputs:
+                st = states[c.index]
+                st.add(c, keep=False)
+                finish = None
+                if st.finish_reason is not None and not st.finish_sent:
+                    st.finish_sent = True
+                    finish = st.finish_reason
+                if not c.text and finish is None and not (req.logprobs and c.token_ids):
+                    continue
+                logprobs = (self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                            if req.logprobs else None)
+                frames.append(chunk([ChatCompletionResponseStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    logprobs=logprobs, finish_reason=finish,
+                    stop_reason=st.stop_reason if finish else None)]))
+            return frames
+
+        try:
+            # OpenAI opens each choice with the assistant role and empty content.
+            for k in range(req.n):
+                yield chunk([ChatCompletionResponseStreamChoice(
+                    index=k, delta=DeltaMessage(role="assistant", content=""))])
+            for frame in frames_for(first[1]):
+                yield frame
+            async for _, out in rest:
+                for frame in frames_for(out):
+                    yield frame
+            if include_usage:
+                yield sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=self.usage(num_prompt, sum(s.num_tokens for s in states), cached)))
+        except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
+            yield stream_error(exc)
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE

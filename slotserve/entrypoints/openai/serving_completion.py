@@ -1,0 +1,184 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from slotserve.core.outputs import LogprobsEntry
+from slotserve.engine.processor import ProcessedRequest
+from slotserve.entrypoints.openai.errors import bad_request
+from slotserve.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    random_uuid,
+)
+from slotserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceState,
+    OpenAIServing,
+    check_prompt_count,
+    json_response,
+    merge_generators,
+    sse,
+    stream_error,
+    to_api_error,
+    until_disconnected,
+)
+from slotserve.outputs import RequestOutput
+
+
+def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]
+                      ) -> list[str | list[int]]:
+    """The four prompt shapes of the API as a list of single prompts."""
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]  # type: ignore[list-item]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise bad_request("the prompt is empty", "prompt")
+    check_prompt_count(len(prompts))
+    return prompts
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of is not supported (it must equal n)", "best_of")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported", "echo")
+        prompts = normalize_prompts(req.prompt)
+        params = req.to_sampling_params(req.max_tokens)
+        request_id = f"cmpl-{random_uuid()}"
+        processed = [self.prepare(p, params, f"{request_id}-{i}", req.priority)
+                     for i, p in enumerate(prompts)]
+        created = int(time.time())
+        outputs = merge_generators([self.engine.generate(p) for p in processed])
+        if req.stream:
+            response = await self.stream(
+                raw, outputs, lambda first, rest: self._frames(
+                    req, processed, request_id, created, model, first, rest))
+            return response if response is not None else Response(status_code=499)
+        try:
+            result = await until_disconnected(
+                raw, self._collect(req, processed, request_id, created, model, outputs))
+        except Exception as exc:
+            raise to_api_error(exc) from exc
+        if result is None:
+            return Response(status_code=499)
+        return json_response(result)
+
+    def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
+                  num_top: int, text_offset: int) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for token_id, entry in zip(token_ids, entries or [], strict=False):
+            token = self.token_text(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(entry.get(token_id))
+            out.top_logprobs.append({self.token_text(t): lp
+                                     for t, lp in self.top_entries(entry, num_top)})
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        return out
+
+    async def _collect(self, req: CompletionRequest, processed: list[ProcessedRequest],
+                       request_id: str, created: int, model: str,
+                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+        n = req.n
+        states = [ChoiceState() for _ in range(len(processed) * n)]
+        cached = [0] * len(processed)
+        async for i, out in outputs:
+            cached[i] = out.num_cached_tokens
+            for c in out.outputs:
+                states[i * n + c.index].add(c, keep=True)
+        choices = []
+        for k, st in enumerate(states):
+            p = processed[k // n]
+            prefix = ""
+            if req.echo:
+                prefix = p.prompt if p.prompt is not None else self.engine.tokenizer.decode(
+                    p.prompt_token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = self._logprobs(st.token_ids, st.logprobs, req.logprobs, len(prefix))
+            choices.append(CompletionResponseChoice(
+                index=k, text=prefix + "".join(st.text_parts), logprobs=logprobs,
+                finish_reason=st.finish_reason, stop_reason=st.stop_reason))
+        usage = self.usage(sum(len(p.prompt_token_ids) for p in processed),
+                           sum(st.num_tokens for st in states), sum(cached))
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=usage)
+
+    async def _frames(self, req: CompletionRequest, processed: list[ProcessedRequest],
+                      request_id: str, created: int, model: str,
+                      first: tuple[int, RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        n = req.n
+        states = [ChoiceState() for _ in range(len(processed) * n)]
+        cached = [0] * len(processed)
+        num_prompt = sum(len(p.prompt_token_ids) for p in processed)
+        opts = req.stream_options
+        include_usage = opts is not None and opts.include_usage
+        continuous = include_usage and opts is not None and opts.continuous_usage_stats
+        echoed: set[int] = set()
+
+        def frames_for(i: int, out: RequestOutput) -> list[str]:
+            cached[i] = out.num_cached_tokens
+            frames = []
+            for c in out.outputs:
+                k = i * n + c.index
+                st = states[k]
+                st.add(c, keep=False)
+                text = c.text
+                if req.echo and k not in echoed:
+                    echoed.add(k)
+                    p = processed[i]
+                    text = (p.prompt if p.prompt is not None else
+                            self.engine.tokenizer.decode(p.prompt_token_ids)) + text
+                finish = None
+                if st.finish_reason is not None and not st.finish_sent:
+                    st.finish_sent = True
+                    finish = st.finish_reason
+                if not text and finish is None and not (req.logprobs is not None
+                                                        and c.token_ids):
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, st.text_len)
+                st.text_len += len(text)
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model,
+                    choices=[CompletionResponseChoice(
+                        index=k, text=text, logprobs=logprobs, finish_reason=finish,
+                        stop_reason=st.stop_reason if finish else None)])
+                if continuous:
+                    chunk.usage = self.usage(num_prompt, sum(s.num_tokens for s in states),
+                                             sum(cached))
+                frames.append(sse(chunk))
+            return frames
+
+        try:
+            for frame in frames_for(*first):
+                yield frame
+            async for i, out in rest:
+                for frame in frames_for(i, out):
+                    yield frame
+            if include_usage:
+                yield sse(CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=self.usage(num_prompt, sum(s.num_tokens for s in states),
+                                     sum(cached))))
+        except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
+            yield stream_error(exc)
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE

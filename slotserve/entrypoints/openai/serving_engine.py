@@ -1,0 +1,239 @@
+"""What the completion and chat handlers share: model checks, request preparation, logprobs,
+SSE framing, client-disconnect handling and fan-in of several generators."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from slotserve.core.outputs import LogprobsEntry
+from slotserve.engine.processor import ProcessedRequest
+from slotserve.entrypoints.async_llm import AsyncLLM, RequestFailedError
+from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
+from slotserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from slotserve.errors import EngineDeadError
+from slotserve.outputs import CompletionOutput, RequestOutput
+from slotserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+# Prompts in one completions request; each becomes its own engine request (times n).
+MAX_PROMPTS_PER_REQUEST = 256
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice (prompt i, sequence j) has produced so far."""
+
+    text_parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    text_len: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobsEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    finish_sent: bool = False
+
+    def add(self, c: CompletionOutput, keep: bool) -> None:
+        """Fold one delta in; `keep` stores text and tokens (non-streaming responses)."""
+        self.num_tokens += len(c.token_ids)
+        if keep:
+            self.text_parts.append(c.text)
+            self.token_ids.extend(c.token_ids)
+            if c.logprobs:
+                self.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None and self.finish_reason is None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str]) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.max_model_len = engine.max_model_len
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+        return model
+
+    def prepare(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
+                request_id: str, priority: int) -> ProcessedRequest:
+        """Validate and tokenize one prompt; raises before anything reaches the engine."""
+        processed = self.engine.process_request(prompt, params, request_id, priority=priority)
+        n_prompt = len(processed.prompt_token_ids)
+        # The engine would clip max_tokens to the context; the API refuses instead, as
+        # OpenAI does, so a client never silently gets fewer tokens than it asked for.
+        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
+            raise bad_request(
+                f"max_tokens={params.max_tokens} plus the prompt's {n_prompt} tokens exceed "
+                f"the model's context length of {self.max_model_len} tokens", "max_tokens",
+                "context_length_exceeded")
+        return processed
+
+    # ----- logprobs ---------------------------------------------------------------------------
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def top_entries(entry: LogprobsEntry, num: int) -> list[tuple[int, float]]:
+        if num <= 0:
+            return []
+        return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num]
+
+    # ----- responses --------------------------------------------------------------------------
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+    async def stream(self, raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                     frames: Any) -> Any:
+        """Start an SSE response once the first output exists.
+
+        Waiting for it means a request that fails before producing anything still gets a
+        proper status code and error body instead of a 200 stream with an error inside.
+        `frames(first, outputs)` yields the SSE strings.
+        """
+        first = await until_disconnected(raw, anext(outputs, None))
+        if first is None:
+            await outputs.aclose()
+            return None
+        return ClosingStreamingResponse(frames(first, outputs), media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator.
+
+    Starlette stops iterating when the client goes away but leaves the generator to the GC;
+    closing it at once runs the generators' `finally`, which aborts the engine requests.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+    import json
+
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def json_response(payload: BaseModel, status: int = 200) -> Response:
+    return Response(payload.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def stream_error(exc: BaseException) -> str:
+    """An error that happens after the 200 was sent travels as an SSE event (as in vLLM)."""
+    return sse(to_api_error(exc).body())
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, exc.message, code="model_step_failed")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, f"the engine failed and cannot continue: {exc}",
+                        code="engine_dead")
+    return from_exception(exc)
+
+
+async def until_disconnected(raw: Request, awaitable: Awaitable[T]) -> T | None:
+    """Await `awaitable` unless the client disconnects first (then cancel it, return None).
+
+    Cancelling runs the engine generators' `finally`, which aborts their requests.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return None
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def merge_generators(
+        generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output generators as (generator index, output)."""
+    if len(generators) == 1:
+        gen = generators[0]
+        try:
+            async for out in gen:
+                yield 0, out
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
+        asyncio.Queue())
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, None, exc))
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def check_prompt_count(count: int) -> None:
+    if count > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {count}",
+                          "prompt")

@@ -1,0 +1,163 @@
+"""A real uvicorn server on a free localhost port, shared by the server tests.
+
+One AsyncLLM on the bundled model serves every test (building an engine takes seconds); a
+second app on the same engine adds an API key. Both servers run on one event loop in a
+background thread, the loop the AsyncLLM is bound to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvicorn
+
+from slotserve.entrypoints.async_llm import AsyncLLM
+from slotserve.entrypoints.openai.api_server import build_app
+
+API_KEY = "test-key-123"
+MODEL_NAME = "slotserve-test"
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 24
+ENGINE_ARGS: dict[str, Any] = dict(
+    model=None, device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=16,
+    num_blocks=640, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=1024, check=True,
+    seed=0)
+
+
+class LoopThread:
+    """An asyncio loop running in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop",
+                                       daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    server: uvicorn.Server
+    done: Future[Any]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.done.result(20)
+
+
+def start_server(loop: LoopThread, app: Any) -> RunningServer:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="websockets-sansio"
+                            if _has_sansio() else "websockets")
+    server = uvicorn.Server(config)
+    done = loop.submit(server.serve(sockets=[sock]))
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if done.done():
+            done.result()
+        if time.monotonic() > deadline:
+            raise TimeoutError("uvicorn did not start")
+        time.sleep(0.01)
+    return RunningServer(f"http://127.0.0.1:{port}", server, done)
+
+
+def _has_sansio() -> bool:
+    try:
+        import uvicorn.protocols.websockets.websockets_sansio_impl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Served:
+    loop: LoopThread
+    engine: AsyncLLM
+    url: str
+    key_url: str
+
+    def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        return self.loop.run(self.engine.call_in_engine(fn))
+
+    def engine_state(self) -> dict[str, Any]:
+        return self.call_in_engine(engine_state)
+
+    def wait_drained(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Poll until no request, block or slot is held; returns the last state seen."""
+        deadline = time.monotonic() + timeout
+        state = self.engine_state()
+        while not is_drained(state) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = self.engine_state()
+        return state
+
+
+def engine_state(engine: Any) -> dict[str, Any]:
+    core = engine.engine_core
+    sched = core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    return {
+        "requests": sorted(sched.requests),
+        "used_blocks": pool.num_usable_blocks - pool.get_num_free_blocks(),
+        "worker_slots": sorted(core.model_runner.slots.holders),
+        "ledger": sorted(sched.slot_ledger.holders),
+        "groups": sorted(engine.output_processor.groups),
+        "unfinished": engine.has_unfinished_requests(),
+    }
+
+
+def is_drained(state: dict[str, Any]) -> bool:
+    return (not state["requests"] and state["used_blocks"] == 0 and not state["worker_slots"]
+            and not state["ledger"] and not state["groups"] and not state["unfinished"])
+
+
+@pytest.fixture(scope="session")
+def served() -> Iterator[Served]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    loop = LoopThread()
+    engine = AsyncLLM.from_engine_args(**ENGINE_ARGS)
+    app = build_app(engine, served_model_names=[MODEL_NAME], shutdown_engine=False)
+    key_app = build_app(engine, served_model_names=[MODEL_NAME], api_key=API_KEY,
+                        shutdown_engine=False)
+    main = start_server(loop, app)
+    keyed = start_server(loop, key_app)
+    try:
+        yield Served(loop, engine, main.base_url, keyed.base_url)
+    finally:
+        main.stop()
+        keyed.stop()
+        engine.shutdown()
+        loop.close()
+
+
+@pytest.fixture()
+def drained(served: Served) -> Iterator[Served]:
+    """The shared server, checked to hold nothing after the test."""
+    yield served
+    state = served.wait_drained()
+    assert is_drained(state), f"engine not drained after the test: {state}"

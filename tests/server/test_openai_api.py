@@ -1,0 +1,212 @@
+"""The OpenAI endpoints through the official `openai` client and through httpx."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
+
+PROMPT = "To be, or not to be, that is the question:"
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def greedy_tokens(served: Served, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+    r = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["tokens"]
+
+
+def test_completion_non_streaming(drained: Served) -> None:
+    out = client(drained).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.model == MODEL_NAME
+    assert len(out.choices) == 1 and out.choices[0].finish_reason == "length"
+    assert out.choices[0].text
+    n_prompt = len(httpx.post(f"{drained.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"])
+    assert out.usage.prompt_tokens == n_prompt
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == n_prompt + 12
+
+
+def test_completion_streaming_matches_non_streaming(drained: Served) -> None:
+    c = client(drained)
+    full = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
+                                extra_body={"ignore_eos": True})
+    chunks = list(c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "length" and finishes.count("length") == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_non_streaming_and_streaming(drained: Served) -> None:
+    c = client(drained)
+    messages = [{"role": "system", "content": "You are a poet."},
+                {"role": "user", "content": "Speak of the sea."}]
+    full = c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    assert full.usage.completion_tokens == 10
+    n_prompt = httpx.post(f"{drained.url}/tokenize", json={"messages": messages}).json()["count"]
+    assert full.usage.prompt_tokens == n_prompt
+    stream = list(c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == msg.content
+    assert stream[-1].usage.completion_tokens == 10
+    assert stream[-1].usage.total_tokens == n_prompt + 10
+
+
+def test_n_greater_than_one(drained: Served) -> None:
+    c = client(drained)
+    out = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3,
+                               temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == 24
+    assert all(ch.finish_reason == "length" for ch in out.choices)
+    chunks = list(c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3,
+                                       temperature=1.0, seed=7, stream=True,
+                                       extra_body={"ignore_eos": True}))
+    texts = {i: "" for i in range(3)}
+    finishes = {i: 0 for i in range(3)}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] += choice.finish_reason is not None
+    # Same seed, same sequences: streaming and not agree choice by choice.
+    assert texts == {ch.index: ch.text for ch in out.choices}
+    assert finishes == {0: 1, 1: 1, 2: 1}
+    chat = c.chat.completions.create(model=MODEL_NAME, n=2, max_tokens=4,
+                                     messages=[{"role": "user", "content": "Hi"}],
+                                     extra_body={"ignore_eos": True})
+    assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+
+
+def test_batched_prompts(drained: Served) -> None:
+    c = client(drained)
+    out = c.completions.create(model=MODEL_NAME, prompt=["To be", "or not"], max_tokens=3,
+                               n=2, temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in out.choices) == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 12
+    single = c.completions.create(model=MODEL_NAME, prompt="or not", max_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[2].text == single.choices[0].text
+    ids = c.completions.create(model=MODEL_NAME, prompt=[[1, 300, 301], [1, 302]],
+                               max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
+
+
+def test_stop_strings(drained: Served) -> None:
+    text, tokens = greedy_tokens(drained, PROMPT, 24)
+    # A stop string taken from the middle of the greedy output must cut the text there.
+    stop = tokens[5] + tokens[6]
+    cut = text.find(stop)
+    assert cut >= 0
+    out = client(drained).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24,
+                                             temperature=0, stop=[stop, "zzzzqqq"],
+                                             extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.text == text[:cut] and choice.finish_reason == "stop"
+    assert choice.model_extra.get("stop_reason") == stop
+    chunks = list(client(drained).completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logprobs(drained: Served) -> None:
+    c = client(drained)
+    out = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                               logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert tok_lp <= 0.0 and len(top) <= 3
+        # Greedy: the sampled token is the most likely one.
+        assert max(top.values()) == pytest.approx(tok_lp, abs=1e-4)
+        assert tok in top
+    chat = c.chat.completions.create(model=MODEL_NAME, max_tokens=5, temperature=0,
+                                     logprobs=True, top_logprobs=2,
+                                     messages=[{"role": "user", "content": "Hello"}],
+                                     extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in content)
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    chunks = list(c.chat.completions.create(model=MODEL_NAME, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True,
+                                            messages=[{"role": "user", "content": "Hello"}],
+                                            extra_body={"ignore_eos": True}))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_extra_sampling_fields_are_accepted(drained: Served) -> None:
+    out = client(drained).completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0.8, top_p=0.9, seed=3,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 5, "repetition_penalty": 1.1,
+                    "ignore_eos": False, "stop_token_ids": [2], "priority": 0})
+    assert out.usage.completion_tokens == 5
+
+
+def test_sse_wire_format(drained: Served) -> None:
+    with httpx.stream("POST", f"{drained.url}/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 3, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    for line in lines[:-1]:
+        json.loads(line[len("data: "):])
+
+
+def test_misc_endpoints(drained: Served) -> None:
+    url = drained.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+    models = client(drained).models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
+    detok = httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert "Hello world" in detok["prompt"]
+    r = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=false")
+    assert r.status_code == 200 and r.json()["success"] is True
+    r = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=true")
+    assert r.status_code == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("slotserve:num_requests_running", "slotserve:num_requests_waiting",
+                 "slotserve:num_paused_sessions", "slotserve:kv_cache_usage_perc",
+                 "slotserve:prefix_cache_queries_total", "slotserve:prefix_cache_hits_total",
+                 "slotserve:num_preemptions_total", "slotserve:prompt_tokens_total",
+                 "slotserve:generation_tokens_total", "slotserve:time_to_first_token_seconds",
+                 "slotserve:inter_token_latency_seconds", "slotserve:e2e_request_latency_seconds",
+                 "slotserve:request_queue_time_seconds"):
+        assert name in metrics, name
