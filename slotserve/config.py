@@ -26,6 +26,11 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise RequestValidationError(f"{name} must be >= 1", name)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit one step, or it would block the queue.
+            raise RequestValidationError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len",
+                "max_num_batched_tokens")
 
 
 @dataclass(slots=True)

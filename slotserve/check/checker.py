@@ -39,13 +39,17 @@ def _fail(rule: str, message: str) -> None:
 
 
 class InvariantChecker:
-    def __init__(self, scheduler: Scheduler, full_block_scan_every: int = 1) -> None:
+    def __init__(self, scheduler: Scheduler, full_block_scan_every: int | None = None) -> None:
         self.scheduler = scheduler
         self.max_num_seqs = scheduler.max_num_running_reqs
         # Worker model: slot holders and their block tables.
         self.block_tables: dict[str, list[int]] = {}
         self.num_steps = 0
-        self.full_block_scan_every = max(1, full_block_scan_every)
+        # The full pool scan is O(num_blocks); on big pools it runs every few steps, while the
+        # blocks of every scheduled request are checked on every step.
+        if full_block_scan_every is None:
+            full_block_scan_every = max(1, scheduler.kv_cache_manager.block_pool.num_blocks // 2048)
+        self.full_block_scan_every = full_block_scan_every
 
     @property
     def holders(self) -> set[str]:
@@ -110,7 +114,11 @@ class InvariantChecker:
             if len(table) * bs < r.num_computed_tokens:
                 _fail("kv slots", f"request {rid!r} has {len(table)} blocks for "
                       f"{r.num_computed_tokens} tokens")
-            held = kv.get_block_ids(rid)
+            blocks = kv.get_blocks(rid)
+            for b in blocks:
+                if b.ref_cnt <= 0 or b.prev_free is not None:
+                    _fail("blocks", f"request {rid!r} uses block {b.block_id} that is free")
+            held = [b.block_id for b in blocks]
             if len(held) != len(table) or (rid in new_ids and held != table):
                 _fail("block table", f"request {rid!r}: worker blocks {table} vs KV manager {held}")
         if total != out.total_num_scheduled_tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from slotserve.core.request import Request
 
@@ -18,6 +18,14 @@ class FCFSRequestQueue:
 
     def prepend_request(self, request: Request) -> None:
         self._q.appendleft(request)
+
+    def add_resumed_request(self, request: Request, is_resumed: Callable[[Request], bool]) -> None:
+        """Ahead of newcomers but behind sessions resumed earlier (FIFO among resumes)."""
+        q = self._q
+        i = 0
+        while i < len(q) and is_resumed(q[i]):
+            i += 1
+        q.insert(i, request)
 
     def peek_request(self) -> Request:
         return self._q[0]
@@ -55,6 +63,9 @@ class PriorityRequestQueue:
         heapq.heappush(self._heap, request)
 
     prepend_request = add_request
+
+    def add_resumed_request(self, request: Request, is_resumed: Callable[[Request], bool]) -> None:
+        self.add_request(request)
 
     def peek_request(self) -> Request:
         return self._heap[0]

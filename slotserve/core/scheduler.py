@@ -147,7 +147,9 @@ class Scheduler:
             return
         session.last_active_time = time.monotonic()
         # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.
-        self.waiting.prepend_request(session)
+        holds = self.kv_cache_manager.holds_blocks
+        self.waiting.add_resumed_request(
+            session, lambda r: r.status == RequestStatus.WAITING and holds(r.request_id))
 
     def _handle_stopped_request(self, request: Request) -> bool:
         """A stopped request: True if it is finished, False if a session paused (or resumed)."""
@@ -311,16 +313,16 @@ class Scheduler:
         # Phase B: waiting requests, only if nobody was preempted this step.
         scheduled_new: list[Request] = []
         if not preempted and self.waiting and budget > 0:
-            budget, kv_blocked = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+            budget, blocked = self._schedule_waiting(budget, num_scheduled, scheduled_new)
             # Liveness: nothing can run because idle requests hold the KV cache. Reclaim the
-            # KV of the least important, most recent holder (reported as a preemption).
-            while kv_blocked and not num_scheduled and not self.running:
-                holders = self._idle_kv_holders()
+            # KV of the least important, most recent holder other than the blocked head
+            # (reclaiming the head's own KV cannot help it); reported as a preemption.
+            while blocked is not None and not num_scheduled and not self.running:
+                holders = [r for r in self._idle_kv_holders() if r is not blocked]
                 if not holders:
                     break
                 self._reclaim_kv(max(holders, key=_priority_key))
-                budget, kv_blocked = self._schedule_waiting(budget, num_scheduled,
-                                                            scheduled_new)
+                budget, blocked = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
@@ -331,14 +333,15 @@ class Scheduler:
         return pool.get_num_free_blocks() + held == pool.num_usable_blocks
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
-                          scheduled_new: list[Request]) -> tuple[int, bool]:
+                          scheduled_new: list[Request]) -> tuple[int, Request | None]:
+        """Admit waiting requests; also returns the request that a KV shortage blocked."""
         kv = self.kv_cache_manager
         ledger = self.slot_ledger
         waiting = self.waiting
         threshold = self.scheduler_config.long_prefill_token_threshold
         chunked = self.scheduler_config.enable_chunked_prefill
         passed_over: list[Request] = []
-        kv_blocked = False
+        kv_blocked: Request | None = None
         # Idle slot holders (paused or waiting sessions): those not in running.
         idle_holders = (len(ledger.holders) - len(ledger.releasing)
                         - (len(self.running) - len(scheduled_new)))
@@ -367,7 +370,7 @@ class Scheduler:
             n = min(n, budget)
             new_blocks = kv.allocate_slots(r, n, n_hit, hit_blocks, full_sequence_must_fit=True)
             if new_blocks is None:
-                kv_blocked = True
+                kv_blocked = r
                 break
             waiting.pop_request()
             if holds_slot:
