@@ -31,8 +31,9 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    # Bytes of KV cache when num_blocks is not given (the model runner derives num_blocks).
-    kv_cache_memory: int | None = None
+    # KV cache budget when num_blocks is not given: bytes (int) or a fraction of free memory
+    # (float); the model runner derives num_blocks from it.
+    kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0

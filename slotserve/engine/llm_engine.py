@@ -6,12 +6,13 @@ add_request (validate, tokenize, fan out n) -> EngineCore.step() -> OutputProces
 
 from __future__ import annotations
 
-import inspect
+import json
 import logging
 import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from slotserve.core.request import Request
@@ -44,10 +45,19 @@ class EngineStats:
 
 
 def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+    """The folder's tokenizer. A plain tokenizer.json tokenizer is loaded directly: going
+    through AutoTokenizer costs seconds of imports that `slotserve generate` would pay."""
+    import transformers
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        cls: Any = transformers.AutoTokenizer
+        folder = Path(path)
+        config_file = folder / "tokenizer_config.json"
+        if (folder / "tokenizer.json").is_file() and config_file.is_file():
+            declared = json.loads(config_file.read_text()).get("tokenizer_class")
+            if declared in (None, "PreTrainedTokenizerFast"):
+                cls = transformers.PreTrainedTokenizerFast
+        return cls.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a bad folder
         raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from exc
 
@@ -56,15 +66,9 @@ def _build_model_runner(args: EngineArgs, path: str, scheduler_config: Any,
                         cache_config: Any) -> Any:
     from slotserve.worker.model_runner import ModelRunner
 
-    kwargs: dict[str, Any] = {"scheduler_config": scheduler_config,
-                              "cache_config": cache_config, "dtype": args.dtype,
-                              "device": args.device}
-    # Optional knobs, passed only to a runner that takes them.
-    accepted = inspect.signature(ModelRunner).parameters
-    for name in ("kv_cache_memory", "seed"):
-        if name in accepted and getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    return ModelRunner(path, **kwargs)
+    device = None if args.device in (None, "auto") else args.device
+    return ModelRunner(path, scheduler_config, cache_config, dtype=args.dtype, device=device,
+                       kv_cache_memory=args.kv_cache_memory, seed=args.seed)
 
 
 class LLMEngine:

@@ -20,13 +20,21 @@ PLUGIN_MODULES = ("slotserve.entrypoints.serve_cli",)
 
 
 def default_num_threads() -> int:
+    """Cores that are idle right now, at most 8.
+
+    More torch threads than free cores is far worse than too few: OpenMP workers spin
+    waiting for descheduled siblings, and a small model's decode step slows down tenfold or
+    more on a busy machine. Past a handful of threads small decode batches gain nothing.
+    """
     try:
         available = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         available = os.cpu_count() or 1
-    # Past a handful of threads small decode batches gain nothing and contend with the
-    # Python side of the engine.
-    return max(1, min(available, 8))
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except OSError:
+        busy = 0
+    return max(1, min(available - busy, 8))
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,17 +77,25 @@ def set_threads(threads: int | None) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from slotserve.engine.args import EngineArgs
+    from slotserve.errors import SlotServeError
+
+    try:
+        engine_args = EngineArgs.from_kwargs(**engine_kwargs_from_args(args))
+        engine_args.model_path()  # a missing folder fails before seconds of torch imports
+    except SlotServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     threads = set_threads(args.threads)
     from slotserve.engine.llm_engine import LLMEngine
     from slotserve.engine.processor import apply_chat_template
-    from slotserve.errors import SlotServeError
     from slotserve.outputs import RequestOutputKind
     from slotserve.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        engine = LLMEngine.from_engine_args(**engine_kwargs_from_args(args))
+        engine = LLMEngine.from_engine_args(engine_args)
         prompt: object = args.prompt
         if args.chat:
             prompt = apply_chat_template(engine.tokenizer,

@@ -84,3 +84,43 @@ def fake_engine(tokenizer: Any) -> FakeEngineFactory:
         return LLMEngine(args, model_config=config, tokenizer=tokenizer, model_runner=runner)
 
     return make
+
+
+# ----- tiny random-weight Llama with the test tokenizer -------------------------------------
+
+def randomize(model: Any, seed: int) -> None:
+    """Weights spread wide enough that greedy decoding has no near-ties (std 0.02 has many),
+    so batched and single runs pick the same tokens despite float reassociation."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> SimpleNamespace:
+    """A 2-layer Llama (GQA, vocab = the test tokenizer's) saved with its tokenizer; `.hf` is
+    the transformers model for references."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=BOS, eos_token_id=EOS,
+                         pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).eval()
+    randomize(hf, 0)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    hf.generation_config.eos_token_id = None  # references run exactly max_new_tokens
+    return SimpleNamespace(path=str(path), hf=hf)
