@@ -42,6 +42,17 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     decode_max_blocks: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Reused gather buffers [rows, block_size * kv_heads * head_dim], one for K and one for V.
+    # Layers run one after another, so one pair serves every layer; without them each layer
+    # allocates (and page-faults in) megabytes per gather.
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
+
+
+def _gather(blocks: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    if buf is None or buf.shape[0] < ids.numel() or buf.dtype != blocks.dtype:
+        return blocks.index_select(0, ids)
+    return torch.index_select(blocks, 0, ids, out=buf[:ids.numel()])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
@@ -67,8 +78,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         ctx = meta.decode_max_blocks * block_size
         assert meta.decode_block_ids is not None and meta.decode_mask is not None
         # [nd, ctx, KVH, D] viewed as [nd, KVH, ctx, D]; SDPA accepts the strided view.
-        k = k_blocks.index_select(0, meta.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
-        v = v_blocks.index_select(0, meta.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
+        k = _gather(k_blocks, meta.decode_block_ids, meta.k_buf).view(nd, ctx, num_kv_heads,
+                                                                       head_dim)
+        v = _gather(v_blocks, meta.decode_block_ids, meta.v_buf).view(nd, ctx, num_kv_heads,
+                                                                       head_dim)
         q = query[:nd].view(nd, num_kv_heads, groups, head_dim)
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
@@ -85,10 +98,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             assert span.block_ids is not None and span.mask is not None
             ctx_len = span.num_computed + n
             nb = span.block_ids.numel()
-            k = k_blocks.index_select(0, span.block_ids).view(nb * block_size, num_kv_heads,
-                                                              head_dim)[:ctx_len]
-            v = v_blocks.index_select(0, span.block_ids).view(nb * block_size, num_kv_heads,
-                                                              head_dim)[:ctx_len]
+            k = _gather(k_blocks, span.block_ids, meta.k_buf).view(
+                nb * block_size, num_kv_heads, head_dim)[:ctx_len]
+            v = _gather(v_blocks, span.block_ids, meta.v_buf).view(
+                nb * block_size, num_kv_heads, head_dim)[:ctx_len]
             mask = span.mask
         o = F.scaled_dot_product_attention(
             q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),

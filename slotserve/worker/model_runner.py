@@ -78,6 +78,17 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.vocab_size = cfg.vocab_size
         self.last_forward_s = 0.0
+        block_elems = self.block_size * cfg.num_key_value_heads * cfg.head_dim
+        self._gather_k = torch.empty(0, block_elems, dtype=self.dtype, device=self.device)
+        self._gather_v = torch.empty_like(self._gather_k)
+
+    def _gather_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather scratch for attention, grown to the largest step seen (never shrunk)."""
+        if self._gather_k.shape[0] < rows:
+            rows = max(rows, 2 * self._gather_k.shape[0])
+            self._gather_k = self._gather_k.new_empty(rows, self._gather_k.shape[1])
+            self._gather_v = torch.empty_like(self._gather_k)
+        return self._gather_k, self._gather_v
 
     # ---------------------------------------------------------------- state updates
     def _apply_state(self, so: SchedulerOutput) -> None:
@@ -188,6 +199,10 @@ class ModelRunner:
                            <= (nc + np.arange(n))[:, None])
                 span.mask = torch.from_numpy(allowed).to(dev).view(1, 1, n, ctx_len)
             meta.prefills.append(span)
+        gather_rows = max([nd * meta.decode_max_blocks]
+                          + [s.block_ids.numel() for s in meta.prefills if s.block_ids is not None])
+        if gather_rows:
+            meta.k_buf, meta.v_buf = self._gather_buffers(gather_rows)
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta)
 
     def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
