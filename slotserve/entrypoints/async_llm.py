@@ -178,7 +178,7 @@ class RequestFailedError(RuntimeError):
     """The engine ended a request with an error (a failed model step)."""
 
     def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id} failed: {message}")
+        super().__init__(f"request {request_id} failed in the model step: {message}")
         self.request_id = request_id
         self.message = message
 

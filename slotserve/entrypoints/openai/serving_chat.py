@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
-from slotserve.entrypoints.openai.errors import bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionRequest,
@@ -37,6 +37,7 @@ from slotserve.entrypoints.openai.serving_engine import (
     to_api_error,
     until_disconnected,
 )
+from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
 # Used only when a tokenizer has no chat template of its own.
@@ -67,18 +68,32 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _chat_param_names(req: ChatCompletionRequest,
+                      exc: RequestValidationError | APIError) -> APIError:
+    """Name the field the chat client actually sent (the engine knows only its own names)."""
+    err = exc if isinstance(exc, APIError) else bad_request(exc.message, exc.param)
+    if err.param == "logprobs":
+        err.param = "top_logprobs"
+    elif err.param == "max_tokens" and req.max_completion_tokens is not None:
+        err.param = "max_completion_tokens"
+    return err
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-        params = req.to_sampling_params(req.requested_max_tokens())
-        prompt_ids = render_chat(self.engine.tokenizer, req.messages,
-                                 add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message,
-                                 template_kwargs=req.chat_template_kwargs)
         request_id = f"chatcmpl-{random_uuid()}"
-        processed = self.prepare(prompt_ids, params, request_id, req.priority)
+        try:
+            params = req.to_sampling_params(req.requested_max_tokens())
+            prompt_ids = render_chat(self.engine.tokenizer, req.messages,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     template_kwargs=req.chat_template_kwargs)
+            processed = self.prepare(prompt_ids, params, request_id, req.priority)
+        except (RequestValidationError, APIError) as exc:
+            raise _chat_param_names(req, exc) from exc
         created = int(time.time())
         outputs = merge_generators([self.engine.generate(processed)])
         if req.stream:

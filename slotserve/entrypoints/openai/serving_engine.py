@@ -71,6 +71,10 @@ class OpenAIServing:
     def prepare(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
                 request_id: str, priority: int) -> ProcessedRequest:
         """Validate and tokenize one prompt; raises before anything reaches the engine."""
+        if self.engine.errored:
+            # New work gets 503 once the engine is dead (requests it was running got 500).
+            raise APIError(503, f"the engine is dead: {self.engine.dead_error}",
+                           code="engine_dead")
         processed = self.engine.process_request(prompt, params, request_id, priority=priority)
         n_prompt = len(processed.prompt_token_ids)
         # The engine would clip max_tokens to the context; the API refuses instead, as
@@ -160,7 +164,7 @@ def stream_error(exc: BaseException) -> str:
 
 def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RequestFailedError):
-        return APIError(500, exc.message, code="model_step_failed")
+        return APIError(500, str(exc), code="model_step_failed")
     if isinstance(exc, EngineDeadError):
         return APIError(500, f"the engine failed and cannot continue: {exc}",
                         code="engine_dead")

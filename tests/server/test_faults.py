@@ -1,0 +1,117 @@
+"""A fault inside the model step: its requests fail with a 500 and a message, the server keeps
+serving (or, when the engine cannot continue, /health turns 503)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from slotserve.entrypoints.async_llm import AsyncLLM
+from slotserve.entrypoints.openai.api_server import build_app
+from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, Served, start_server
+
+BODY = {"model": MODEL_NAME, "prompt": "Once more unto the breach", "max_tokens": 12,
+        "ignore_eos": True, "temperature": 0}
+
+
+class Fault:
+    """Makes execute_model raise on its `after`-th call from now (0 = the next call)."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.calls = 0
+
+    def install(self, engine: Any) -> None:
+        runner = engine.engine_core.model_runner
+        real = runner.execute_model
+
+        def execute_model(scheduler_output: Any) -> Any:
+            self.calls += 1
+            if self.calls == self.after + 1:
+                raise RuntimeError("injected fault in the forward pass")
+            return real(scheduler_output)
+
+        runner.execute_model = execute_model
+
+    @staticmethod
+    def remove(engine: Any) -> None:
+        del engine.engine_core.model_runner.execute_model
+
+
+@pytest.fixture()
+def fault(drained: Served) -> Iterator[Any]:
+    def arm(after: int) -> Fault:
+        f = Fault(after)
+        drained.call_in_engine(f.install)
+        return f
+
+    yield arm
+    drained.call_in_engine(Fault.remove)
+
+
+def test_fault_fails_request_with_500_and_engine_goes_on(
+        drained: Served, fault: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    fault(0)
+    r = httpx.post(f"{drained.url}/v1/completions", json=BODY, timeout=60)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert "injected fault" in error["message"] and error["type"] == "internal_server_error"
+    # Logged with the request id.
+    request_id = error["message"].split()[1]
+    assert request_id.startswith("cmpl-")
+    assert any(request_id in rec.getMessage() for rec in caplog.records)
+    # The engine could continue: healthy, and the next request succeeds.
+    assert httpx.get(f"{drained.url}/health").status_code == 200
+    ok = httpx.post(f"{drained.url}/v1/completions", json=BODY, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
+
+
+def test_fault_mid_stream_reports_error_event(drained: Served, fault: Any) -> None:
+    fault(4)
+    events = []
+    with httpx.stream("POST", f"{drained.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "Speak"}],
+            "max_tokens": 30, "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "injected fault" in error["message"]
+    contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]
+    assert sum(1 for c in contents if c) >= 1
+    assert httpx.get(f"{drained.url}/health").status_code == 200
+
+
+def test_engine_that_cannot_continue_turns_health_503(served: Served) -> None:
+    engine = AsyncLLM.from_engine_args(**{**ENGINE_ARGS, "num_blocks": 64, "check": False})
+    server = start_server(served.loop, build_app(engine, served_model_names=[MODEL_NAME],
+                                                 shutdown_engine=False))
+    try:
+        url = server.base_url
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200
+
+        def break_scheduler(e: Any) -> None:
+            def schedule() -> Any:
+                raise RuntimeError("scheduler state corrupted (injected)")
+            e.engine_core.scheduler.schedule = schedule
+
+        served.loop.run(engine.call_in_engine(break_scheduler))
+        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["code"] == "engine_dead"
+        later = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+        assert httpx.get(f"{url}/metrics").status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()
