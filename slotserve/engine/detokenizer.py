@@ -18,6 +18,8 @@ from slotserve.sampling_params import SamplingParams
 _REPLACEMENT = "\ufffd"
 # Prompt tokens used as decoding context for the first generated tokens.
 _PROMPT_CONTEXT_TOKENS = 5
+# Undecodable tokens held back at most; more cannot be one character in the making.
+_MAX_PENDING_TOKENS = 6
 
 DecodeFn = Callable[[list[int], bool], str]
 
@@ -92,14 +94,20 @@ class IncrementalDetokenizer:
         window = self._tokens[self._prefix_offset:]
         done = self._decode(window[:self._read_offset - self._prefix_offset], self._skip_special)
         full = self._decode(window, self._skip_special)
-        if not final and full.endswith(_REPLACEMENT):
-            return  # a character is still being spelled out over several tokens
+        pending = len(self._tokens) - self._read_offset
+        # A character is still being spelled out over several tokens. (UTF-8 needs at most 4
+        # bytes; past that the replacement character is real garbage and is emitted.)
+        if full.endswith(_REPLACEMENT) and not final and pending < _MAX_PENDING_TOKENS:
+            return
         if len(full) > len(done):
             self.output_text += full[len(done):]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._tokens)
-        elif final:
-            self._read_offset = len(self._tokens)
+        else:
+            # Tokens that decode to nothing here (skipped special tokens, ids the tokenizer
+            # does not know) cannot change later text; dropping them keeps the window from
+            # growing over a long run of them.
+            del self._tokens[self._read_offset:]
 
     def _match_stop(self, new_text_start: int) -> str | None:
         # A match must end inside the new text, so start far enough back to catch one that

@@ -106,3 +106,18 @@ def test_skip_special_tokens(tokenizer: Any) -> None:
     assert detok.output_text == "To be"
     detok, _, _ = run(tokenizer, [BOS], ids, SamplingParams(skip_special_tokens=False))
     assert detok.output_text == "To be</s>"
+
+
+def test_runs_of_invisible_tokens_keep_the_window_small(tokenizer: Any) -> None:
+    a = tokenizer.encode("To be,", add_special_tokens=False)
+    b = tokenizer.encode(" or not", add_special_tokens=False)
+    unknown = len(tokenizer) + 5  # an id the tokenizer cannot decode (a model's larger vocab)
+    detok = IncrementalDetokenizer(make_decode_fn(tokenizer), [BOS], SamplingParams())
+    detok.update(a)
+    for _ in range(200):
+        detok.update([EOS])
+        detok.update([unknown])
+    assert len(detok._tokens) - detok._prefix_offset <= len(a) + 1
+    detok.update(b)
+    detok.flush()
+    assert detok.output_text == "To be, or not"
