@@ -72,7 +72,9 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests)
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_requests():
+        # With only paused sessions a step still runs: schedule() is where idle sessions time
+        # out, so a server ticks step() now and then while sessions are paused.
+        if not self.scheduler.has_requests() and not self.scheduler.paused:
             self.last_scheduled_new_req_ids = []
             return []
         scheduler_output = self.scheduler.schedule()

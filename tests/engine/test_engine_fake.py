@@ -291,3 +291,20 @@ def test_streaming_session_chunks(fake_engine: FakeEngineFactory) -> None:
     expected = alone(fake_engine, [{"prompt_token_ids": ctx2}, {"prompt_token_ids": ctx3}],
                      params)
     assert [out2, out3] == expected
+
+
+def test_idle_session_times_out(fake_engine: FakeEngineFactory) -> None:
+    import time
+
+    engine = fake_engine(streaming_session_timeout_s=0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("s", {"prompt_token_ids": [5, 6, 7]}, params, resumable=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().num_paused_sessions == 1
+    time.sleep(1.1)  # the scheduler looks for idle sessions at most once a second
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert out.outputs[0].finish_message and "idle" in out.outputs[0].finish_message
+    engine.step()  # delivers the slot release
+    assert_idle(engine)
