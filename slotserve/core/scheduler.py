@@ -7,7 +7,6 @@ counted by the SlotLedger, which mirrors the worker's table from the outputs emi
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,9 +21,10 @@ from slotserve.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from slotserve.core.request import Request, RequestStatus, StreamingUpdate
+from slotserve.core.request import Request, RequestStatus
 from slotserve.core.request_queue import create_request_queue
-from slotserve.core.sched_utils import check_stop, fold_session_chunk
+from slotserve.core.sched_utils import check_stop
+from slotserve.core.sessions import StreamingSessionsMixin
 from slotserve.core.slot_ledger import SlotLedger
 from slotserve.errors import RequestValidationError
 
@@ -44,7 +44,7 @@ class SchedulerStats:
     num_preemptions: int
 
 
-class Scheduler:
+class Scheduler(StreamingSessionsMixin):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("the scheduler needs cache_config.num_blocks")
@@ -112,62 +112,6 @@ class Scheduler:
         request.ignored_reason = reason
         self._pending_outputs.append(EngineCoreOutput(
             request.request_id, [], "length", finished=True, finish_message=reason))
-
-    def _add_session_chunk(self, session: Request, request: Request) -> None:
-        if session.streaming_queue is None:
-            raise RequestValidationError(
-                f"duplicate request id {request.request_id!r} (not a streaming session)",
-                "request_id")
-        update = request.to_streaming_update()
-        if session.status != PAUSED:
-            session.streaming_queue.append(update)
-        elif update is None:
-            self._end_paused_session(session, RequestStatus.FINISHED_ABORTED, None)
-        else:
-            self._promote_session(session, update)
-
-    def _end_paused_session(self, session: Request, status: RequestStatus,
-                            message: str | None) -> None:
-        del self.paused[session.request_id]
-        session.status = status
-        self._free_request(session)
-        self._pending_outputs.append(EngineCoreOutput(
-            session.request_id, [], session.get_finished_reason(), finished=True,
-            finish_message=message))
-
-    def _promote_session(self, session: Request, update: StreamingUpdate) -> None:
-        """Apply the next chunk to a paused session and queue it; it keeps KV and slot."""
-        del self.paused[session.request_id]
-        fold_session_chunk(session, update)
-        self.kv_cache_manager.truncate_hashes(session)
-        reason = self._unfittable_reason(session)
-        if reason is not None:
-            self.paused[session.request_id] = session
-            self._end_paused_session(session, RequestStatus.FINISHED_IGNORED, reason)
-            return
-        session.last_active_time = time.monotonic()
-        # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.
-        holds = self.kv_cache_manager.holds_blocks
-        self.waiting.add_resumed_request(
-            session, lambda r: r.status == RequestStatus.WAITING and holds(r.request_id))
-
-    def _handle_stopped_request(self, request: Request) -> bool:
-        """A stopped request: True if it is finished, False if a session paused (or resumed)."""
-        if not request.resumable:
-            return True
-        queue = request.streaming_queue
-        if queue and queue[0] is None:
-            queue.popleft()
-            return True
-        # Always pause first (vLLM PR #52717); a queued chunk is applied by promotion.
-        request.status = PAUSED
-        request.last_active_time = time.monotonic()
-        self.paused[request.request_id] = request
-        if queue:
-            update = queue.popleft()
-            assert update is not None
-            self._promote_session(request, update)
-        return False
 
     def finish_requests(self, request_ids: str | Iterable[str] | None,
                         finished_status: RequestStatus) -> None:
@@ -237,16 +181,6 @@ class Scheduler:
         out = [r for r in self.paused.values() if holds(r.request_id)]
         out.extend(r for r in self.waiting if holds(r.request_id))
         return out
-
-    def _expire_sessions(self) -> None:
-        now = time.monotonic()
-        if now < self._next_timeout_check:
-            return
-        self._next_timeout_check = now + 1.0
-        timeout = self.scheduler_config.streaming_session_timeout_s
-        for r in [r for r in self.paused.values() if now - r.last_active_time > timeout]:
-            self._end_paused_session(r, RequestStatus.FINISHED_ABORTED,
-                                     f"streaming session idle for more than {timeout:g} s")
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -370,6 +304,16 @@ class Scheduler:
             n = min(n, budget)
             new_blocks = kv.allocate_slots(r, n, n_hit, hit_blocks, full_sequence_must_fit=True)
             if new_blocks is None:
+                if self._unfittable_reason(r) is not None:
+                    # It grew (a late output after preemption) past what the whole cache
+                    # holds: it can never run again, and must not block the queue.
+                    waiting.pop_request()
+                    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    self._free_request(r)
+                    self._pending_outputs.append(EngineCoreOutput(
+                        r.request_id, [], "length", finished=True,
+                        finish_message="the sequence outgrew the whole KV cache"))
+                    continue
                 kv_blocked = r
                 break
             waiting.pop_request()

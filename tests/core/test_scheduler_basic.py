@@ -225,3 +225,23 @@ def test_unfittable_prompts_finish_ignored() -> None:
     assert by_id["ok"].new_token_ids == [42]
     h.run_until_idle()
     h.checker.assert_drained()
+
+
+def test_request_grown_past_the_cache_by_a_late_output_does_not_block_the_queue() -> None:
+    # Found by the fuzzer: 3 usable blocks of 2 tokens; "a" (6 tokens) is preempted by a
+    # reset while its step is in flight, and the late token makes it 7 tokens long.
+    h = Harness(make_scheduler(max_num_seqs=1, block_size=2, num_blocks=4,
+                               enable_prefix_caching=False))
+    h.sched.add_request(make_request("a", 5, max_tokens=6, ignore_eos=True))
+    h.step()
+    first = h.schedule()
+    h.sched.reset_prefix_cache(reset_running_requests=True)
+    h.sched.update_from_output(first, runner_output(["a"], [[42]]))
+    assert h.sched.requests["a"].num_tokens == 7
+    h.sched.add_request(make_request("b", 2, max_tokens=1, start=300))
+    out, outs = h.step()
+    by_id = {o.request_id: o for o in outs}
+    assert by_id["a"].finish_reason == "length" and by_id["a"].finished
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["b"]
+    h.run_until_idle()
+    h.checker.assert_drained()
