@@ -308,3 +308,19 @@ def test_idle_session_times_out(fake_engine: FakeEngineFactory) -> None:
     assert out.outputs[0].finish_message and "idle" in out.outputs[0].finish_message
     engine.step()  # delivers the slot release
     assert_idle(engine)
+
+
+def test_session_ended_while_running(fake_engine: FakeEngineFactory) -> None:
+    engine = fake_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("s", {"prompt_token_ids": [5, 6, 7]}, params, resumable=True)
+    engine.step()
+    engine.add_request("s", {"prompt_token_ids": [0]}, None)  # end mark, queued
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "s"]
+    final = outs[-1]
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert len(final.outputs[0].token_ids) == 4
+    assert not any(o.finished for o in outs[:-1])
+    assert_idle(engine)
