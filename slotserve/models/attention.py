@@ -29,7 +29,7 @@ class PrefillSpan:
     num_computed: int  # tokens of this request already in the KV cache before this step
     # Only when num_computed > 0: the request's blocks covering its context, and the mask.
     block_ids: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [1, 1, num_query, context_len] bool, True = attend
+    mask: torch.Tensor | None = None  # [1, 1, num_query, context_len] additive: 0 or -inf
 
 
 @dataclass(slots=True)
@@ -39,7 +39,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     num_decodes: int = 0  # the first num_decodes tokens are single-token requests
     decode_block_ids: torch.Tensor | None = None  # [num_decodes * max_blocks] int64, 0 = pad
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # [num_decodes, 1, 1, max_blocks * block_size], additive (0 or -inf) in the model dtype:
+    # a bool mask would be converted by SDPA in every layer.
+    decode_mask: torch.Tensor | None = None
     decode_max_blocks: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Reused gather buffers [rows, block_size * kv_heads * head_dim], one for K and one for V.
@@ -69,7 +71,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     groups = num_heads // num_kv_heads
-    out = query.new_empty(num_tokens, num_heads, head_dim)
     k_blocks = k_cache.view(num_blocks, -1)
     v_blocks = v_cache.view(num_blocks, -1)
 
@@ -85,6 +86,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         q = query[:nd].view(nd, num_kv_heads, groups, head_dim)
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
+        if not meta.prefills:  # a pure decode step: no scatter into a shared output
+            return o.reshape(num_tokens, num_heads * head_dim)
+    out = query.new_empty(num_tokens, num_heads, head_dim)
+    if nd:
         out[:nd] = o.view(nd, num_heads, head_dim)
 
     for span in meta.prefills:

@@ -186,8 +186,8 @@ class ModelRunner:
             meta.decode_max_blocks = max_blocks
             meta.decode_block_ids = torch.from_numpy(
                 np.ascontiguousarray(b.block_table[slots[:nd], :max_blocks]).reshape(-1)).to(dev)
-            mask = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
-            meta.decode_mask = torch.from_numpy(mask).to(dev).view(nd, 1, 1, -1)
+            allowed = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
+            meta.decode_mask = self._additive_mask(allowed).view(nd, 1, 1, -1)
         for i in range(nd, num_reqs):
             nc, n = int(num_computed[i]), int(q_lens[i])
             span = PrefillSpan(start=int(starts[i]), end=int(cu[i]), num_computed=nc)
@@ -197,13 +197,17 @@ class ModelRunner:
                 span.block_ids = torch.from_numpy(b.block_table[slots[i], :nb].copy()).to(dev)
                 allowed = (np.arange(ctx_len)[None, :]
                            <= (nc + np.arange(n))[:, None])
-                span.mask = torch.from_numpy(allowed).to(dev).view(1, 1, n, ctx_len)
+                span.mask = self._additive_mask(allowed).view(1, 1, n, ctx_len)
             meta.prefills.append(span)
         gather_rows = max([nd * meta.decode_max_blocks]
                           + [s.block_ids.numel() for s in meta.prefills if s.block_ids is not None])
         if gather_rows:
             meta.k_buf, meta.v_buf = self._gather_buffers(gather_rows)
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta)
+
+    def _additive_mask(self, allowed: np.ndarray) -> torch.Tensor:
+        mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
+        return torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
     def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
         b, dev = self.batch, self.device
