@@ -112,26 +112,28 @@ class ModelRunner:
         so = scheduler_output
         self._apply_state(so)
         self.last_forward_s = 0.0
-        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+        # A request listed with 0 tokens has nothing to run; it is simply left out.
+        ids = [r for r, n in so.num_scheduled_tokens.items() if n > 0]
+        if so.total_num_scheduled_tokens == 0 or not ids:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
         b = self.batch
         index = self.slots.req_id_to_index
-        ids = list(so.num_scheduled_tokens)
         try:
             slots = np.fromiter((index[r] for r in ids), dtype=np.int64, count=len(ids))
         except KeyError as exc:
             raise InvariantViolation(f"scheduled request {exc.args[0]!r} holds no worker "
                                      f"slot") from exc
-        q_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in ids), dtype=np.int64,
+                             count=len(ids))
         # Single-token requests first: they form the batched decode group in attention.
         order = np.argsort(q_lens > 1, kind="stable")
         slots, q_lens = slots[order], q_lens[order]
         req_ids = [ids[i] for i in order]
         num_computed = b.num_computed_tokens[slots]
         seq_lens = num_computed + q_lens
-        if (seq_lens > b.num_tokens[slots]).any() or (q_lens <= 0).any():
-            bad = int(np.argmax((seq_lens > b.num_tokens[slots]) | (q_lens <= 0)))
+        if (seq_lens > b.num_tokens[slots]).any():
+            bad = int(np.argmax(seq_lens > b.num_tokens[slots]))
             raise InvariantViolation(
                 f"request {req_ids[bad]!r}: {int(q_lens[bad])} tokens scheduled after "
                 f"{int(num_computed[bad])} computed, but the worker knows "
