@@ -155,8 +155,9 @@ def run_vllm(args: argparse.Namespace, env_file: str) -> dict[str, float]:
         out = os.path.join(d, "vllm.json")
         cmd = (f"source {shlex.quote(env_file)} && \"$VLLM_PY\" {shlex.quote(str(VLLM_HARNESS))} "
                f"{' '.join(map(shlex.quote, flags))} --quiet --json {shlex.quote(out)}")
-        subprocess.run(["bash", "-c", cmd], check=True, stdout=subprocess.DEVNULL)
-        return json.loads(Path(out).read_text())
+        subprocess.run(["bash", "-c", cmd], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        return json.loads(Path(out).read_text())["median_run"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
