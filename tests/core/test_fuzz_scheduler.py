@@ -25,7 +25,7 @@ from tests.core.helpers import make_scheduler
 EOS = 2
 STOP = 7
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
-EXAMPLES = int(os.environ.get("SLOTSERVE_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("SLOTSERVE_FUZZ_EXAMPLES", "300"))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
