@@ -105,6 +105,13 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        h = block.block_hash
+        if h is not None:
+            if self.cached_block_hash_to_block.get(h) is block:
+                del self.cached_block_hash_to_block[h]
+            block.block_hash = None
+
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.free_block_queue.num_free_blocks:
             raise ValueError(f"cannot get {n} free blocks from the pool")

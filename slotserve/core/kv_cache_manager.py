@@ -163,6 +163,13 @@ class KVCacheManager:
             # Tail first: the deepest blocks of a chain are evicted before its root.
             self.block_pool.free_blocks(blocks[::-1])
 
+    def uncache_blocks(self, request: Request) -> None:
+        """Forget the hashes of a request's blocks: their K/V may never have been written
+        (a failed model step), so no later request may hit them."""
+        for b in self.req_to_blocks.get(request.request_id, ()):
+            self.block_pool.uncache_block(b)
+        self.num_cached_block.pop(request.request_id, None)
+
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
 

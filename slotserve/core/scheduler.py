@@ -138,6 +138,9 @@ class Scheduler(StreamingSessionsMixin):
 
     def _free_request(self, request: Request) -> None:
         req_id = request.request_id
+        if request.status == RequestStatus.FINISHED_ERROR:
+            # Blocks were cached when scheduled; after a failed step their K/V is garbage.
+            self.kv_cache_manager.uncache_blocks(request)
         self.kv_cache_manager.free(request)
         self.slot_ledger.release(req_id)
         self.finished_req_ids.add(req_id)

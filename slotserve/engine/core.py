@@ -109,11 +109,7 @@ class EngineCore:
         failed = list(scheduler_output.num_scheduled_tokens)
         logger.error("execute_model failed (%s: %s); finishing requests %s with an error",
                      type(exc).__name__, exc, failed, exc_info=exc)
+        # FINISHED_ERROR also drops the prefix-cache entries of these requests' blocks: they
+        # were registered when scheduled, but their K/V was never written.
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        # Blocks allocated this step were registered in the prefix cache before their K/V
-        # was written; drop the cache so nobody hits them. Only possible when no block is in
-        # use; otherwise those blocks stay cached (their requests are gone, the risk is small).
-        if not self.scheduler.reset_prefix_cache():
-            logger.warning("could not reset the prefix cache after a failed step: blocks are "
-                           "still in use by other requests")
         return [EngineCoreOutput(rid, [], finish_reason="error", finished=True) for rid in failed]

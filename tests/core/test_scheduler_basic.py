@@ -245,3 +245,16 @@ def test_request_grown_past_the_cache_by_a_late_output_does_not_block_the_queue(
     assert [r.req_id for r in out.scheduled_new_reqs] == ["b"]
     h.run_until_idle()
     h.checker.assert_drained()
+
+
+def test_failed_step_uncaches_the_blocks_it_scheduled() -> None:
+    # The engine finishes a failed step's requests with FINISHED_ERROR; their blocks were
+    # cached at scheduling time but never written, so nobody may hit them afterwards.
+    h = Harness(make_scheduler(block_size=4))
+    h.sched.add_request(make_request("a", 9))
+    h.schedule()
+    h.sched.finish_requests("a", RequestStatus.FINISHED_ERROR)
+    assert h.sched.kv_cache_manager.block_pool.cached_block_hash_to_block == {}
+    h.sched.add_request(make_request("b", 9))
+    out, _ = h.step()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
