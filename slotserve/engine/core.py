@@ -8,10 +8,12 @@ invariant checker runs.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Protocol
 
 from slotserve.check import InvariantChecker, checking_enabled
+from slotserve.check.trace import TraceRecorder
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -56,19 +58,29 @@ class EngineCore:
         # For the engine-overhead measurement (benchmarks/offline_throughput.py).
         self.num_steps = 0
         self.total_forward_s = 0.0
+        # SLOTSERVE_TRACE=PATH records every scheduler event for a deterministic replay.
+        trace_path = os.environ.get("SLOTSERVE_TRACE")
+        self.trace = (TraceRecorder(trace_path, scheduler_config, cache_config)
+                      if trace_path else None)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        if self.trace is not None:
+            self.trace.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+            if self.trace is not None:
+                self.trace.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         # Also true while releases are pending, so a final step delivers them to the worker.
         return self.scheduler.has_requests()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        if self.trace is not None:
+            self.trace.reset_prefix_cache(reset_running_requests)
         return self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests)
 
     def step(self) -> list[EngineCoreOutput]:
@@ -78,6 +90,8 @@ class EngineCore:
             self.last_scheduled_new_req_ids = []
             return []
         scheduler_output = self.scheduler.schedule()
+        if self.trace is not None:
+            self.trace.schedule(scheduler_output)
         self.last_schedule_time = time.monotonic()
         self.last_scheduled_new_req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         if self.checker is not None:
@@ -90,6 +104,8 @@ class EngineCore:
         self.total_forward_s += getattr(self.model_runner, "last_forward_s", 0.0)
         if self.checker is not None:
             self.checker.check_worker_slots(self.model_runner.slots)
+        if self.trace is not None:
+            self.trace.update(scheduler_output, model_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         # Drained means nothing at all: paused sessions still hold KV and a slot.
         if (self.checker is not None and not self.scheduler.requests
@@ -112,4 +128,6 @@ class EngineCore:
         # FINISHED_ERROR also drops the prefix-cache entries of these requests' blocks: they
         # were registered when scheduled, but their K/V was never written.
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        if self.trace is not None:
+            self.trace.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(rid, [], finish_reason="error", finished=True) for rid in failed]

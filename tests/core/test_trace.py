@@ -1,0 +1,51 @@
+"""A recorded trace replays deterministically, with the checker on."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from slotserve.check.trace import TraceRecorder, replay
+from slotserve.core.outputs import ModelRunnerOutput
+from slotserve.core.request import Request, RequestStatus
+from slotserve.sampling_params import SamplingParams
+from tests.core.helpers import make_scheduler
+
+
+def test_trace_replays_the_same_steps(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    sched = make_scheduler(max_num_seqs=3, block_size=4, num_blocks=24,
+                           max_num_batched_tokens=32, policy="priority")
+    path = str(tmp_path / "t.jsonl")
+    rec = TraceRecorder(path, sched.scheduler_config, sched.cache_config)
+    steps = []
+    for i in range(60):
+        if rng.random() < 0.4:
+            r = Request(f"r{i}", [rng.randint(10, 20) for _ in range(rng.randint(1, 20))],
+                        SamplingParams(max_tokens=rng.randint(1, 8), stop_token_ids=[7]),
+                        eos_token_id=2, priority=rng.randint(0, 2), arrival_time=float(i),
+                        resumable=rng.random() < 0.3)
+            sched.add_request(r)
+            rec.add_request(r)
+        if sched.requests and rng.random() < 0.05:
+            rid = rng.choice(sorted(sched.requests))
+            sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            rec.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        if rng.random() < 0.05:
+            rec.reset_prefix_cache(True)
+            sched.reset_prefix_cache(True)
+        out = sched.schedule()
+        rec.schedule(out)
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[rng.choice([7, 40, 41])] if sched.requests[i].num_computed_tokens
+                   >= sched.requests[i].num_tokens else [] for i in ids]
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
+                                sampled_token_ids=sampled)
+        rec.update(out, mro)
+        sched.update_from_output(out, mro)
+        steps.append(dict(out.num_scheduled_tokens))
+    rec.close()
+    replayed, outs = replay(path)
+    assert [dict(o.num_scheduled_tokens) for o in outs] == steps
+    assert {k: r.all_token_ids for k, r in replayed.requests.items()} == {
+        k: r.all_token_ids for k, r in sched.requests.items()}
