@@ -59,6 +59,8 @@ class ModelRunner:
                                                        max_positions=self.max_model_len + 1)
         if self.model.rope_cos.shape[0] <= self.max_model_len:
             self.model.init_rope(self.max_model_len + 1)
+        if self.device.type == "cpu":
+            self.model.prepare_for_cpu()
         cfg = self.model_config
         if cfg.sliding_window is not None and cfg.sliding_window < self.max_model_len:
             logger.warning("model has sliding_window=%d < max_model_len=%d; slotserve attends "

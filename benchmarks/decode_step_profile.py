@@ -1,0 +1,169 @@
+"""CPU time of one decode step of the real ModelRunner on a SmolLM-135M-shaped model.
+
+Builds random weights in slotserve's own module tree (no checkpoint, no transformers), admits
+`--batch` requests whose context is `--ctx` tokens with all but the last one already "computed"
+(the KV cache holds zeros, which costs the same as real keys), and then runs `--iters` decode
+steps through `ModelRunner.execute_model`, each one token longer. Reported per step, as the
+median over steps of CPU time (`time.thread_time`, so other processes on a shared machine do
+not inflate it):
+
+- forward: the model's decoder layers (`LlamaForCausalLM.forward`);
+- logits+sample: final norm, LM head and greedy sampling;
+- step: the whole `execute_model` call (forward + logits + the runner's bookkeeping).
+
+`--profile` adds a torch.profiler operator table of one forward.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from slotserve.config import CacheConfig, SchedulerConfig  # noqa: E402
+from slotserve.core.outputs import (  # noqa: E402
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from slotserve.models.config import ModelConfig  # noqa: E402
+from slotserve.models.llama import LlamaForCausalLM  # noqa: E402
+from slotserve.sampling_params import SamplingParams  # noqa: E402
+from slotserve.worker.model_runner import ModelRunner  # noqa: E402
+
+SMOLLM = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", hidden_size=576,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     head_dim=64, intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def make_runner(cfg: ModelConfig, batch: int, ctx: int, iters: int, block_size: int
+                ) -> tuple[ModelRunner, list[list[int]]]:
+    max_len = ctx + iters + 8
+    blocks_per_req = -(-max_len // block_size)
+    runner = ModelRunner((build_model(cfg), cfg),
+                         SchedulerConfig(max_num_seqs=batch, max_model_len=max_len,
+                                         max_num_batched_tokens=max(batch, 2048)),
+                         CacheConfig(block_size=block_size,
+                                     num_blocks=batch * blocks_per_req + 1),
+                         dtype=torch.float32, device="cpu")
+    # Interleaved block ids (request i owns blocks i+1, i+1+batch, ...): a real cache is
+    # fragmented too, so the gather does not get an artificially sequential access pattern.
+    blocks = [[1 + i + j * batch for j in range(blocks_per_req)] for i in range(batch)]
+    return runner, blocks
+
+
+def admit(runner: ModelRunner, batch: int, ctx: int, blocks: list[list[int]]) -> None:
+    """New requests of `ctx` tokens, `ctx - 1` of them already in the cache: a decode step."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    new = [NewRequestData(req_id=f"r{i}", prompt_token_ids=list(range(3, 3 + ctx)),
+                          prefill_token_ids=list(range(3, 3 + ctx)), block_ids=blocks[i],
+                          num_computed_tokens=ctx - 1, sampling_params=greedy)
+           for i in range(batch)]
+    so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
+                         num_scheduled_tokens={n.req_id: 1 for n in new},
+                         total_num_scheduled_tokens=batch, finished_req_ids=set(),
+                         preempted_req_ids=set())
+    runner.execute_model(so)
+
+
+def decode_output(batch: int, num_computed: int) -> SchedulerOutput:
+    ids = [f"r{i}" for i in range(batch)]
+    cached = CachedRequestData(req_ids=ids, new_block_ids=[None] * batch,
+                               num_computed_tokens=[num_computed] * batch)
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens=dict.fromkeys(ids, 1),
+                           total_num_scheduled_tokens=batch, finished_req_ids=set(),
+                           preempted_req_ids=set())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--ctx", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    cfg = SMOLLM
+    runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size)
+    admit(runner, args.batch, args.ctx, blocks)
+    model = runner.model
+    fwd_times: list[float] = []
+    logit_times: list[float] = []
+    orig_forward, orig_logits = model.forward, model.compute_logits
+
+    def timed_forward(*a: object, **k: object) -> torch.Tensor:
+        t0 = time.thread_time()
+        out = orig_forward(*a, **k)  # type: ignore[arg-type]
+        fwd_times.append(time.thread_time() - t0)
+        return out
+
+    def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+        t0 = time.thread_time()
+        out = orig_logits(hidden)
+        logit_times.append(time.thread_time() - t0)
+        return out
+
+    model.forward = timed_forward  # type: ignore[method-assign]
+    model.compute_logits = timed_logits  # type: ignore[method-assign]
+    step_times: list[float] = []
+    sample_s: list[float] = []
+    for it in range(args.iters):
+        so = decode_output(args.batch, args.ctx + it)
+        t0 = time.thread_time()
+        runner.execute_model(so)
+        step_times.append(time.thread_time() - t0)
+        sample_s.append(runner.last_forward_s)
+    model.forward, model.compute_logits = orig_forward, orig_logits  # type: ignore[method-assign]
+
+    def ms(xs: list[float]) -> str:
+        return f"{1e3 * statistics.median(xs):7.1f} ms (min {1e3 * min(xs):6.1f})"
+
+    print(f"decode step: batch {args.batch}, ctx {args.ctx}..{args.ctx + args.iters - 1}, "
+          f"block {args.block_size}, {args.threads} thread(s), median of {args.iters} (CPU time)")
+    print(f"  forward (layers)   {ms(fwd_times)}")
+    print(f"  logits (LM head)   {ms(logit_times)}")
+    print(f"  execute_model      {ms(step_times)}")
+    rest = [s - f - lg for s, f, lg in zip(step_times, fwd_times, logit_times, strict=True)]
+    print(f"  runner + sampling  {ms(rest)}")
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        so = decode_output(args.batch, args.ctx + args.iters)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            runner.execute_model(so)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
