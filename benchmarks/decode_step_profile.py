@@ -11,7 +11,8 @@ not inflate it):
 - logits+sample: final norm, LM head and greedy sampling;
 - step: the whole `execute_model` call (forward + logits + the runner's bookkeeping).
 
-`--profile` adds a torch.profiler operator table of one forward.
+`--profile` adds a torch.profiler operator table of one step; `--check` first compares the
+hidden states of one decode step between the native decode kernel and the torch path.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]
 """
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +103,24 @@ def decode_output(batch: int, num_computed: int) -> SchedulerOutput:
                            preempted_req_ids=set())
 
 
+@torch.inference_mode()
+def check_native(runner: ModelRunner, batch: int) -> float:
+    """Max abs difference of one decode step's hidden states, native kernel vs torch path."""
+    b = runner.batch
+    slots = np.arange(batch)
+    q_lens = np.ones(batch, dtype=np.int64)
+    num_computed = b.num_computed_tokens[slots]
+    outs = []
+    saved = runner.native_decode
+    for native in (False, True):
+        runner.native_decode = native
+        ids, pos, meta = runner._prepare_inputs([f"r{i}" for i in range(batch)], slots, q_lens,
+                                                num_computed)
+        outs.append(runner.model(ids, pos, runner.kv_caches, meta))
+    runner.native_decode = saved
+    return float((outs[0] - outs[1]).abs().max())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -109,12 +129,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     cfg = SMOLLM
     runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size)
     admit(runner, args.batch, args.ctx, blocks)
+    if args.check:
+        if not runner.native_decode:
+            print("native decode kernel unavailable; nothing to check")
+        else:
+            print(f"native vs torch decode attention: max |diff| of hidden states "
+                  f"{check_native(runner, args.batch):.3g}")
     model = runner.model
     fwd_times: list[float] = []
     logit_times: list[float] = []

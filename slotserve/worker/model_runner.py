@@ -19,7 +19,7 @@ import torch
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from slotserve.errors import InvariantViolation
-from slotserve.models.attention import AttentionMetadata, PrefillSpan
+from slotserve.models.attention import AttentionMetadata, PrefillSpan, native_decode_supported
 from slotserve.models.config import ModelConfig
 from slotserve.models.llama import LlamaForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
@@ -83,6 +83,8 @@ class ModelRunner:
         block_elems = self.block_size * cfg.num_key_value_heads * cfg.head_dim
         self._gather_k = torch.empty(0, block_elems, dtype=self.dtype, device=self.device)
         self._gather_v = torch.empty_like(self._gather_k)
+        # Decodes read K/V straight from the blocks when the native kernel builds (CPU fp32).
+        self.native_decode = native_decode_supported(self.dtype, self.device, cfg.head_dim)
 
     def _gather_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather scratch for attention, grown to the largest step seen (never shrunk)."""
@@ -188,10 +190,17 @@ class ModelRunner:
             max_blocks = int(math.ceil(int(ctx.max()) / bs))
             meta.num_decodes = nd
             meta.decode_max_blocks = max_blocks
-            meta.decode_block_ids = torch.from_numpy(
-                np.ascontiguousarray(b.block_table[slots[:nd], :max_blocks]).reshape(-1)).to(dev)
-            allowed = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
-            meta.decode_mask = self._additive_mask(allowed).view(nd, 1, 1, -1)
+            table = np.ascontiguousarray(b.block_table[slots[:nd], :max_blocks])
+            if self.native_decode:
+                # The kernel indexes the cache with these unchecked.
+                if int(table.max()) >= self.num_blocks:
+                    raise InvariantViolation(f"block id {int(table.max())} out of range "
+                                             f"({self.num_blocks} blocks)")
+                meta.decode_ctx_lens = torch.from_numpy(ctx)
+            else:
+                allowed = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
+                meta.decode_mask = self._additive_mask(allowed).view(nd, 1, 1, -1)
+            meta.decode_block_ids = torch.from_numpy(table.reshape(-1)).to(dev)
         for i in range(nd, num_reqs):
             nc, n = int(num_computed[i]), int(q_lens[i])
             span = PrefillSpan(start=int(starts[i]), end=int(cu[i]), num_computed=nc)
@@ -203,7 +212,7 @@ class ModelRunner:
                            <= (nc + np.arange(n))[:, None])
                 span.mask = self._additive_mask(allowed).view(1, 1, n, ctx_len)
             meta.prefills.append(span)
-        gather_rows = max([nd * meta.decode_max_blocks]
+        gather_rows = max([0 if self.native_decode else nd * meta.decode_max_blocks]
                           + [s.block_ids.numel() for s in meta.prefills if s.block_ids is not None])
         if gather_rows:
             meta.k_buf, meta.v_buf = self._gather_buffers(gather_rows)
