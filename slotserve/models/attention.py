@@ -155,6 +155,10 @@ _NATIVE_SRC = r"""
 #ifdef USE_MVEC
 __attribute__((simd("notinbranch"))) float expf(float);
 #endif
+/* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
+   while a block's row i is used, row i of the sequence's next block is requested. */
+#define PREFETCH_ROW(ptr) \
+    for (int64_t j = 0; j < tok_stride; j += 16) __builtin_prefetch((ptr) + j)
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -182,8 +186,10 @@ int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_
         const float* qb = q + b * q_stride;
         for (int64_t t0 = 0; t0 < n; t0 += bs) {
             const float* blk = k_cache + blocks[t0 / bs] * blk_stride;
+            const float* next = t0 + bs < n ? k_cache + blocks[t0 / bs + 1] * blk_stride : blk;
             int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t i = 0; i < tn; i++)
+            for (int64_t i = 0; i < tn; i++) {
+                PREFETCH_ROW(next + i * tok_stride);
                 for (int64_t hq = 0; hq < nh; hq++) {
                     const v16* kv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
                     const v16* qv = (const v16*)(qb + hq * head_dim);
@@ -191,6 +197,7 @@ int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_
                     for (int64_t c = 1; c < nc; c++) acc += qv[c] * kv[c];
                     p[hq * max_ctx + t0 + i] = scale * hsum(acc);
                 }
+            }
         }
         for (int64_t hq = 0; hq < nh; hq++) {
             float* ph = p + hq * max_ctx;
@@ -205,13 +212,16 @@ int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_
         memset(acc, 0, sizeof(float) * nh * head_dim);
         for (int64_t t0 = 0; t0 < n; t0 += bs) {
             const float* blk = v_cache + blocks[t0 / bs] * blk_stride;
+            const float* next = t0 + bs < n ? v_cache + blocks[t0 / bs + 1] * blk_stride : blk;
             int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t i = 0; i < tn; i++)
+            for (int64_t i = 0; i < tn; i++) {
+                PREFETCH_ROW(next + i * tok_stride);
                 for (int64_t hq = 0; hq < nh; hq++) {
                     const v16* vv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
                     v16 w = (v16){0} + p[hq * max_ctx + t0 + i];
                     for (int64_t c = 0; c < nc; c++) acc[hq * nc + c] += w * vv[c];
                 }
+            }
         }
     }
     free(p);
