@@ -1,9 +1,10 @@
-"""AsyncLLM: the engine behind an asyncio API, stepping on a thread of its own.
+"""AsyncLLM: the engine behind an asyncio API, stepping off the event loop.
 
-The LLMEngine is not thread-safe, so exactly one thread (the engine loop) ever calls it. The
-asyncio side talks to that thread only through a thread-safe command queue, and the loop hands
-each step's outputs back with one `call_soon_threadsafe` per step. The loop blocks only while
-the engine is idle, so a busy engine steps back to back and never waits for the HTTP side.
+The LLMEngine is not thread-safe, so exactly one thread (the engine loop, engine_loop.py)
+ever calls it, on a thread of this process or in a child process. The asyncio side talks to it
+only through a command queue, and each step's outputs come back with one
+`call_soon_threadsafe` per step. Requests are validated and tokenized here, on the event loop,
+before anything is sent.
 
 Outputs are DELTA outputs: each RequestOutput carries only the text, tokens and logprobs that
 are new since the previous one the caller received. When the caller falls behind, pending
@@ -13,19 +14,22 @@ deltas are merged into one, never across a streaming session's chunk boundary.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import copy
+import functools
 import itertools
 import logging
-import queue
-import threading
-import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from slotserve.engine.processor import ProcessedRequest, Processor
+from slotserve.entrypoints.engine_loop import (
+    LoopStats,
+    ProcessEngineClient,
+    StepResult,
+    ThreadEngineClient,
+)
 from slotserve.errors import EngineDeadError, RequestValidationError
 from slotserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
@@ -41,139 +45,6 @@ class StreamingInput:
     sampling_params: SamplingParams | None = None
 
 
-@dataclass(slots=True)
-class StepResult:
-    """What the engine thread hands to the event loop after a step."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
-    # Requests the engine refused when they were added (validated again in the engine).
-    request_errors: list[tuple[str, BaseException]] = field(default_factory=list)
-    # Message of a model-step failure in this step; its requests end with "error".
-    step_error: str | None = None
-    # Set when the engine cannot continue: every open request fails.
-    dead_error: BaseException | None = None
-
-
-_ADD, _ADD_PROCESSED, _ABORT, _CALL, _STOP = range(5)
-
-
-class EngineLoop:
-    """The one thread that calls the engine: applies queued commands, then steps."""
-
-    def __init__(self, engine: Any, post: Callable[[StepResult], None]) -> None:
-        self.engine = engine
-        self._post = post
-        self._cmds: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self.dead_error: BaseException | None = None
-        # How busy the loop keeps the engine: seconds inside step() and the number of steps.
-        self.busy_s = 0.0
-        self.num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="slotserve-engine-loop",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None, *,
-                    priority: int, resumable: bool) -> None:
-        self._cmds.put((_ADD, (request_id, prompt, params, priority, resumable)))
-
-    def add_processed_request(self, processed: ProcessedRequest) -> None:
-        self._cmds.put((_ADD_PROCESSED, processed))
-
-    def abort(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_error is None:
-            self._cmds.put((_ABORT, request_ids))
-
-    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        if self.dead_error is not None:
-            future.set_exception(EngineDeadError(str(self.dead_error)))
-        else:
-            self._cmds.put((_CALL, (fn, future)))
-        return future
-
-    def stop(self, timeout: float) -> None:
-        if self._thread.is_alive():
-            self._cmds.put((_STOP, None))
-            self._thread.join(timeout)
-
-    def _failed_steps(self) -> int:
-        core = getattr(self.engine, "engine_core", None)
-        return int(getattr(core, "num_failed_steps", 0))
-
-    def _last_step_error(self) -> str:
-        exc = getattr(getattr(self.engine, "engine_core", None), "last_error", None)
-        return f"{type(exc).__name__}: {exc}" if exc is not None else "model step failed"
-
-    def _apply(self, kind: int, arg: Any, errors: list[tuple[str, BaseException]]) -> bool:
-        engine = self.engine
-        if kind == _ADD_PROCESSED:
-            try:
-                engine.add_processed_request(arg)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
-                errors.append((arg.request_id, exc))
-        elif kind == _ADD:
-            rid, prompt, params, priority, resumable = arg
-            try:
-                engine.add_request(rid, prompt, params, priority=priority, resumable=resumable,
-                                   output_kind=RequestOutputKind.DELTA)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the engine goes on
-                errors.append((rid, exc))
-        elif kind == _ABORT:
-            engine.abort_request(arg)
-        elif kind == _CALL:
-            fn, future = arg
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(engine))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-        return kind != _STOP
-
-    def _run(self) -> None:
-        engine, cmds = self.engine, self._cmds
-        failed_steps = self._failed_steps()
-        running = True
-        while running:
-            errors: list[tuple[str, BaseException]] = []
-            # Block only when idle: a busy engine must never wait for the event loop.
-            item = cmds.get() if not engine.has_unfinished_requests() else _poll(cmds)
-            while item is not None and running:
-                running = self._apply(item[0], item[1], errors)
-                item = _poll(cmds)
-            result = StepResult(request_errors=errors)
-            if running and engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                try:
-                    result.outputs = engine.step()
-                except BaseException as exc:  # noqa: BLE001 - the engine cannot continue
-                    logger.exception("engine step failed; the engine is dead")
-                    self.dead_error = result.dead_error = exc
-                    running = False
-                self.busy_s += time.perf_counter() - t0
-                self.num_steps += 1
-                if self._failed_steps() != failed_steps:
-                    failed_steps = self._failed_steps()
-                    result.step_error = self._last_step_error()
-            if result.outputs or result.request_errors or result.dead_error is not None:
-                self._post(result)
-        self._fail_pending_calls()
-
-    def _fail_pending_calls(self) -> None:
-        error = EngineDeadError(str(self.dead_error or "the engine loop stopped"))
-        while (item := _poll(self._cmds)) is not None:
-            if item[0] == _CALL and item[1][1].set_running_or_notify_cancel():
-                item[1][1].set_exception(error)
-
-
-def _poll(cmds: queue.SimpleQueue[tuple[int, Any]]) -> tuple[int, Any] | None:
-    try:
-        return cmds.get_nowait()
-    except queue.Empty:
-        return None
-
-
 class RequestFailedError(RuntimeError):
     """The engine ended a request with an error (a failed model step)."""
 
@@ -186,10 +57,11 @@ class RequestFailedError(RuntimeError):
 class _RequestStream:
     """Outputs of one request waiting for its consumer, on the event loop's side."""
 
-    __slots__ = ("request_id", "items", "event", "error", "boundaries")
+    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "boundaries")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_seqs: int = 1) -> None:
         self.request_id = request_id
+        self.num_seqs = num_seqs
         self.items: list[RequestOutput] = []
         self.event = asyncio.Event()
         self.error: BaseException | None = None
@@ -256,47 +128,69 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
 class AsyncLLM:
     """Async front of an LLMEngine. Build with `AsyncLLM.from_engine_args(model=PATH, ...)`."""
 
-    def __init__(self, engine: Any, *, metrics: Any = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any = None, *, metrics: Any = None,
+                 _client: Any = None, _tokenizer: Any = None) -> None:
+        """Serve an LLMEngine built by the caller, on a thread (see from_engine_args for the
+        process mode)."""
         self.metrics = metrics
-        # The engine thread decodes with the engine's tokenizer; the event loop tokenizes
-        # prompts with its own copy so the two never share the Rust object's borrow state.
-        try:
-            self.tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is still usable
-            self.tokenizer = engine.tokenizer
-        self.max_model_len: int = engine.max_model_len
-        self.model_config = getattr(engine, "model_config", None)
-        # Validation and tokenization happen here, on the event loop, so a bad request is
-        # refused before the engine thread ever sees it.
-        self.processor: Processor = copy.copy(engine.processor)
-        self.processor.tokenizer = self.tokenizer
         self._streams: dict[str, _RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
-        self._engine_loop = EngineLoop(engine, self._post_from_engine)
-        self._engine_loop.start()
+        # In thread mode the engine object is here (tests reach into it through
+        # call_in_engine); in process mode it lives in the child.
+        self.engine = engine
+        if _client is None:
+            _tokenizer = engine.tokenizer
+            _client = ThreadEngineClient(engine, self._post_from_engine)
+        self._client: ThreadEngineClient | ProcessEngineClient = _client
+        info = _client.info
+        # The engine decodes with its tokenizer on its own thread; the event loop tokenizes
+        # with a copy, so the two never share the Rust object's borrow state.
+        try:
+            self.tokenizer = copy.deepcopy(_tokenizer)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied still works
+            self.tokenizer = _tokenizer
+        self.max_model_len: int = info.max_model_len
+        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                   info.eos_token_ids)
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, *, metrics: Any = None,
-                         **engine_args: Any) -> AsyncLLM:
-        from slotserve.engine.llm_engine import LLMEngine
+                         engine_mode: Literal["thread", "process"] = "thread",
+                         threads: int | None = None, **engine_args: Any) -> AsyncLLM:
+        """Build the engine on a thread of this process, or (engine_mode="process") in a
+        child process so the step loop never shares a GIL with the event loop."""
+        if engine_mode == "thread":
+            from slotserve.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(model=model, **engine_args), metrics=metrics)
+            return cls(LLMEngine.from_engine_args(model=model, **engine_args), metrics=metrics)
+        if engine_mode != "process":
+            raise RequestValidationError(f"unknown engine_mode {engine_mode!r}", "engine_mode")
+        from slotserve.engine.args import EngineArgs
+        from slotserve.engine.llm_engine import load_tokenizer
+
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        tokenizer = load_tokenizer(args.tokenizer or args.model_path())
+        self = cls.__new__(cls)
+        client = ProcessEngineClient(dict(model=model, **engine_args),
+                                     lambda result: self._post_from_engine(result),
+                                     threads=threads)
+        cls.__init__(self, None, metrics=metrics, _client=client, _tokenizer=tokenizer)
+        return self
 
     # ----- health -----------------------------------------------------------------------------
 
     @property
     def errored(self) -> bool:
-        return self._engine_loop.dead_error is not None
+        return self._client.dead_error is not None
 
     @property
     def dead_error(self) -> BaseException | None:
-        return self._engine_loop.dead_error
+        return self._client.dead_error
 
     def check_health(self) -> None:
-        if self._engine_loop.dead_error is not None:
-            raise EngineDeadError(str(self._engine_loop.dead_error))
+        if self._client.dead_error is not None:
+            raise EngineDeadError(str(self._client.dead_error))
 
     # ----- inputs -----------------------------------------------------------------------------
 
@@ -323,7 +217,7 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is bound to another event loop")
         return loop
 
-    def _register(self, request_id: str | None) -> _RequestStream:
+    def _register(self, request_id: str | None, num_seqs: int = 1) -> _RequestStream:
         self._bind_loop()
         self.check_health()
         if request_id is None:
@@ -331,7 +225,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise RequestValidationError(f"request id {request_id!r} is already running",
                                          "request_id")
-        stream = _RequestStream(request_id)
+        stream = _RequestStream(request_id, num_seqs)
         self._streams[request_id] = stream
         return stream
 
@@ -358,11 +252,11 @@ class AsyncLLM:
             return
         processed = prompt if isinstance(prompt, ProcessedRequest) else self.process_request(
             prompt, sampling_params, request_id, priority=priority)
-        stream = self._register(processed.request_id)
+        stream = self._register(processed.request_id, len(processed.requests))
         rid = stream.request_id
         finished = False
         try:
-            self._engine_loop.add_processed_request(processed)
+            self._client.add_processed_request(processed)
             while not finished:
                 for out in merge_deltas(await stream.get_all()):
                     finished = out.finished
@@ -370,7 +264,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._streams.pop(rid, None)
-                self._engine_loop.abort([rid])
+                self._client.abort([rid])
 
     async def _generate_session(self, inputs: AsyncIterable[StreamingInput],
                                 default_params: SamplingParams | None, request_id: str | None,
@@ -388,15 +282,14 @@ class AsyncLLM:
                     if isinstance(prompt, str):
                         # Only the session's first chunk starts with BOS and friends.
                         prompt = self.tokenize(prompt, add_special_tokens=first)
-                    self._engine_loop.add_request(rid, {"prompt_token_ids": list(prompt)},
-                                                  params, priority=priority, resumable=True)
+                    self._client.add_request(rid, {"prompt_token_ids": list(prompt)},
+                                             params, priority=priority, resumable=True)
                     state["sent"] += 1
                 if state["sent"]:
                     # A non-resumable request with the session's id ends the session once
                     # its last chunk stops.
-                    self._engine_loop.add_request(rid, {"prompt_token_ids": []},
-                                                  default_params, priority=priority,
-                                                  resumable=False)
+                    self._client.add_request(rid, {"prompt_token_ids": []}, default_params,
+                                             priority=priority, resumable=False)
                 state["done"] = True
                 stream.event.set()
             except asyncio.CancelledError:
@@ -425,6 +318,11 @@ class AsyncLLM:
                     if _is_boundary(out):
                         stream.boundaries += 1
                     finished = out.finished
+                    if finished and stream.boundaries >= state["sent"] and not any(
+                            c.token_ids for c in out.outputs):
+                        # The session ended while paused (its end mark, or an idle
+                        # timeout): the last chunk's finish was already delivered.
+                        break
                     yield out
                     if finished:
                         break
@@ -434,38 +332,48 @@ class AsyncLLM:
                 await feeder
             self._streams.pop(rid, None)
             if not finished or not state["done"]:
-                self._engine_loop.abort([rid])
+                self._client.abort([rid])
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.fail(asyncio.CancelledError(f"request {rid} aborted"))
-        self._engine_loop.abort(ids)
+                # The caller's loop ends with an "abort" finish, as if the engine said so.
+                stream.put(RequestOutput(rid, None, [], [
+                    CompletionOutput(i, "", [], None, None, "abort")
+                    for i in range(stream.num_seqs)], finished=True))
+        self._client.abort(ids)
 
     # ----- engine calls -----------------------------------------------------------------------
 
     async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread between two steps and return its result."""
+        """Run `fn(engine)` on the engine thread between two steps and return its result.
+        In process mode `fn` must pickle (a module-level function or a partial of one)."""
         self._bind_loop()
-        return await asyncio.wrap_future(self._engine_loop.call(fn))
+        return await asyncio.wrap_future(self._client.call(fn))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return bool(await self.call_in_engine(
-            lambda e: e.reset_prefix_cache(reset_running_requests=reset_running_requests)))
+        return bool(await self.call_in_engine(functools.partial(
+            _reset_prefix_cache, reset_running_requests=reset_running_requests)))
 
     async def get_stats(self) -> Any:
-        return await self.call_in_engine(lambda e: e.get_stats())
+        return await self.call_in_engine(_get_stats)
+
+    async def loop_stats(self) -> LoopStats:
+        """How busy the front keeps the engine's step loop (time in step() over wall time)."""
+        self._bind_loop()
+        return await asyncio.wrap_future(self._client.loop_stats())
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._engine_loop.stop(timeout)
+        self._client.stop(timeout)
 
     # ----- outputs from the engine thread -----------------------------------------------------
 
     def _post_from_engine(self, result: StepResult) -> None:
-        # Called on the engine thread: hand over to the event loop, once per step.
-        loop = self._loop
+        # Called on the engine (or pipe reader) thread: hand over to the event loop, once per
+        # step. Before the first request there is no loop yet, and nothing to deliver.
+        loop = getattr(self, "_loop", None)
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._dispatch, result)
@@ -497,6 +405,14 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.fail(error)
             self._streams.clear()
+
+
+def _reset_prefix_cache(engine: Any, reset_running_requests: bool) -> bool:
+    return bool(engine.reset_prefix_cache(reset_running_requests=reset_running_requests))
+
+
+def _get_stats(engine: Any) -> Any:
+    return engine.get_stats()
 
 
 def _record_finished(metrics: Any, out: RequestOutput) -> None:

@@ -134,13 +134,18 @@ def is_drained(state: dict[str, Any]) -> bool:
 
 
 @pytest.fixture(scope="session")
-def served() -> Iterator[Served]:
+def loop_thread() -> Iterator[LoopThread]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     loop = LoopThread()
-    engine = AsyncLLM.from_engine_args(**ENGINE_ARGS)
+    yield loop
+    loop.close()
+
+
+def _serve(loop: LoopThread, mode: str) -> Iterator[Served]:
+    engine = AsyncLLM.from_engine_args(**ENGINE_ARGS, engine_mode=mode, threads=1)
     app = build_app(engine, served_model_names=[MODEL_NAME], shutdown_engine=False)
     key_app = build_app(engine, served_model_names=[MODEL_NAME], api_key=API_KEY,
                         shutdown_engine=False)
@@ -152,12 +157,37 @@ def served() -> Iterator[Served]:
         main.stop()
         keyed.stop()
         engine.shutdown()
-        loop.close()
+
+
+@pytest.fixture(scope="session")
+def served(loop_thread: LoopThread) -> Iterator[Served]:
+    """The engine loop on a thread: tests may patch the engine with closures."""
+    yield from _serve(loop_thread, "thread")
+
+
+@pytest.fixture(scope="session")
+def served_process(loop_thread: LoopThread) -> Iterator[Served]:
+    """The engine loop in a child process (the server default); what is run in the engine
+    (call_in_engine) must pickle."""
+    yield from _serve(loop_thread, "process")
+
+
+def _check_drained(served: Served) -> None:
+    state = served.wait_drained()
+    assert is_drained(state), f"engine not drained after the test: {state}"
 
 
 @pytest.fixture()
 def drained(served: Served) -> Iterator[Served]:
-    """The shared server, checked to hold nothing after the test."""
+    """The thread-mode server, checked to hold nothing after the test."""
     yield served
-    state = served.wait_drained()
-    assert is_drained(state), f"engine not drained after the test: {state}"
+    _check_drained(served)
+
+
+@pytest.fixture(params=["thread", "process"])
+def any_mode(request: pytest.FixtureRequest) -> Iterator[Served]:
+    """Each engine mode in turn, checked to hold nothing after the test."""
+    served = request.getfixturevalue("served" if request.param == "thread"
+                                     else "served_process")
+    yield served
+    _check_drained(served)

@@ -3,6 +3,7 @@ serving (or, when the engine cannot continue, /health turns 503)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterator
@@ -13,52 +14,60 @@ import pytest
 
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
-from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, Served, start_server
+from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LoopThread, Served, start_server
 
 BODY = {"model": MODEL_NAME, "prompt": "Once more unto the breach", "max_tokens": 12,
         "ignore_eos": True, "temperature": 0}
 
 
-class Fault:
-    """Makes execute_model raise on its `after`-th call from now (0 = the next call)."""
+# Module-level, so that a process-mode engine can receive them (call_in_engine pickles).
+def install_fault(engine: Any, after: int) -> None:
+    """Make execute_model raise on its `after`-th call from now (0 = the next call)."""
+    runner = engine.engine_core.model_runner
+    real = runner.execute_model
+    calls = [0]
 
-    def __init__(self, after: int) -> None:
-        self.after = after
-        self.calls = 0
+    def execute_model(scheduler_output: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise RuntimeError("injected fault in the forward pass")
+        return real(scheduler_output)
 
-    def install(self, engine: Any) -> None:
-        runner = engine.engine_core.model_runner
-        real = runner.execute_model
+    runner.execute_model = execute_model
 
-        def execute_model(scheduler_output: Any) -> Any:
-            self.calls += 1
-            if self.calls == self.after + 1:
-                raise RuntimeError("injected fault in the forward pass")
-            return real(scheduler_output)
 
-        runner.execute_model = execute_model
+def remove_fault(engine: Any) -> None:
+    del engine.engine_core.model_runner.execute_model
 
-    @staticmethod
-    def remove(engine: Any) -> None:
-        del engine.engine_core.model_runner.execute_model
+
+def break_scheduler(engine: Any) -> None:
+    scheduler = engine.engine_core.scheduler
+    real = scheduler.schedule
+
+    def schedule() -> Any:
+        # A step that only delivers the last request's releases still succeeds, so the next
+        # request is the one that meets the fault.
+        if scheduler.requests:
+            raise RuntimeError("scheduler state corrupted (injected)")
+        return real()
+
+    scheduler.schedule = schedule
 
 
 @pytest.fixture()
-def fault(drained: Served) -> Iterator[Any]:
-    def arm(after: int) -> Fault:
-        f = Fault(after)
-        drained.call_in_engine(f.install)
-        return f
+def fault(any_mode: Served) -> Iterator[Any]:
+    def arm(after: int) -> None:
+        any_mode.call_in_engine(functools.partial(install_fault, after=after))
 
     yield arm
-    drained.call_in_engine(Fault.remove)
+    any_mode.call_in_engine(remove_fault)
 
 
 def test_fault_fails_request_with_500_and_engine_goes_on(
-        drained: Served, fault: Any, caplog: pytest.LogCaptureFixture) -> None:
+        any_mode: Served, fault: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)
     fault(0)
-    r = httpx.post(f"{drained.url}/v1/completions", json=BODY, timeout=60)
+    r = httpx.post(f"{any_mode.url}/v1/completions", json=BODY, timeout=60)
     assert r.status_code == 500, r.text
     error = r.json()["error"]
     assert "injected fault" in error["message"] and error["type"] == "internal_server_error"
@@ -67,15 +76,15 @@ def test_fault_fails_request_with_500_and_engine_goes_on(
     assert request_id.startswith("cmpl-")
     assert any(request_id in rec.getMessage() for rec in caplog.records)
     # The engine could continue: healthy, and the next request succeeds.
-    assert httpx.get(f"{drained.url}/health").status_code == 200
-    ok = httpx.post(f"{drained.url}/v1/completions", json=BODY, timeout=60)
+    assert httpx.get(f"{any_mode.url}/health").status_code == 200
+    ok = httpx.post(f"{any_mode.url}/v1/completions", json=BODY, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
 
 
-def test_fault_mid_stream_reports_error_event(drained: Served, fault: Any) -> None:
+def test_fault_mid_stream_reports_error_event(any_mode: Served, fault: Any) -> None:
     fault(4)
     events = []
-    with httpx.stream("POST", f"{drained.url}/v1/chat/completions", timeout=60, json={
+    with httpx.stream("POST", f"{any_mode.url}/v1/chat/completions", timeout=60, json={
             "model": MODEL_NAME, "messages": [{"role": "user", "content": "Speak"}],
             "max_tokens": 30, "ignore_eos": True, "stream": True}) as r:
         assert r.status_code == 200
@@ -87,30 +96,21 @@ def test_fault_mid_stream_reports_error_event(drained: Served, fault: Any) -> No
     assert "injected fault" in error["message"]
     contents = [json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2]]
     assert sum(1 for c in contents if c) >= 1
-    assert httpx.get(f"{drained.url}/health").status_code == 200
+    assert httpx.get(f"{any_mode.url}/health").status_code == 200
 
 
-def test_engine_that_cannot_continue_turns_health_503(served: Served) -> None:
-    engine = AsyncLLM.from_engine_args(**{**ENGINE_ARGS, "num_blocks": 64, "check": False})
-    server = start_server(served.loop, build_app(engine, served_model_names=[MODEL_NAME],
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_engine_that_cannot_continue_turns_health_503(loop_thread: LoopThread,
+                                                      mode: str) -> None:
+    engine = AsyncLLM.from_engine_args(**{**ENGINE_ARGS, "num_blocks": 64, "check": False},
+                                       engine_mode=mode, threads=1)
+    server = start_server(loop_thread, build_app(engine, served_model_names=[MODEL_NAME],
                                                  shutdown_engine=False))
     try:
         url = server.base_url
         assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200
 
-        def break_scheduler(e: Any) -> None:
-            scheduler = e.engine_core.scheduler
-            real = scheduler.schedule
-
-            def schedule() -> Any:
-                # A step that only delivers the last request's releases still succeeds, so
-                # the next request is the one that meets the fault.
-                if scheduler.requests:
-                    raise RuntimeError("scheduler state corrupted (injected)")
-                return real()
-            scheduler.schedule = schedule
-
-        served.loop.run(engine.call_in_engine(break_scheduler))
+        loop_thread.run(engine.call_in_engine(break_scheduler))
         r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
         health = httpx.get(f"{url}/health")

@@ -39,8 +39,8 @@ def test_completion_non_streaming(drained: Served) -> None:
     assert out.usage.total_tokens == n_prompt + 12
 
 
-def test_completion_streaming_matches_non_streaming(drained: Served) -> None:
-    c = client(drained)
+def test_completion_streaming_matches_non_streaming(any_mode: Served) -> None:
+    c = client(any_mode)
     full = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0,
                                 extra_body={"ignore_eos": True})
     chunks = list(c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
@@ -56,8 +56,8 @@ def test_completion_streaming_matches_non_streaming(drained: Served) -> None:
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
-def test_chat_non_streaming_and_streaming(drained: Served) -> None:
-    c = client(drained)
+def test_chat_non_streaming_and_streaming(any_mode: Served) -> None:
+    c = client(any_mode)
     messages = [{"role": "system", "content": "You are a poet."},
                 {"role": "user", "content": "Speak of the sea."}]
     full = c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
@@ -65,7 +65,7 @@ def test_chat_non_streaming_and_streaming(drained: Served) -> None:
     msg = full.choices[0].message
     assert msg.role == "assistant" and msg.content
     assert full.usage.completion_tokens == 10
-    n_prompt = httpx.post(f"{drained.url}/tokenize", json={"messages": messages}).json()["count"]
+    n_prompt = httpx.post(f"{any_mode.url}/tokenize", json={"messages": messages}).json()["count"]
     assert full.usage.prompt_tokens == n_prompt
     stream = list(c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
                                             temperature=0, stream=True,
@@ -78,8 +78,8 @@ def test_chat_non_streaming_and_streaming(drained: Served) -> None:
     assert stream[-1].usage.total_tokens == n_prompt + 10
 
 
-def test_n_greater_than_one(drained: Served) -> None:
-    c = client(drained)
+def test_n_greater_than_one(any_mode: Served) -> None:
+    c = client(any_mode)
     out = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3,
                                temperature=1.0, seed=7, extra_body={"ignore_eos": True})
     assert sorted(ch.index for ch in out.choices) == [0, 1, 2]
@@ -117,27 +117,27 @@ def test_batched_prompts(drained: Served) -> None:
     assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 4
 
 
-def test_stop_strings(drained: Served) -> None:
-    text, tokens = greedy_tokens(drained, PROMPT, 24)
+def test_stop_strings(any_mode: Served) -> None:
+    text, tokens = greedy_tokens(any_mode, PROMPT, 24)
     # A stop string taken from the middle of the greedy output must cut the text there.
     stop = tokens[5] + tokens[6]
     cut = text.find(stop)
     assert cut >= 0
-    out = client(drained).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24,
+    out = client(any_mode).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24,
                                              temperature=0, stop=[stop, "zzzzqqq"],
                                              extra_body={"ignore_eos": True})
     choice = out.choices[0]
     assert choice.text == text[:cut] and choice.finish_reason == "stop"
     assert choice.model_extra.get("stop_reason") == stop
-    chunks = list(client(drained).completions.create(
+    chunks = list(client(any_mode).completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True,
         extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in chunks) == text[:cut]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_logprobs(drained: Served) -> None:
-    c = client(drained)
+def test_logprobs(any_mode: Served) -> None:
+    c = client(any_mode)
     out = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
                                logprobs=3, extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
@@ -186,11 +186,11 @@ def test_sse_wire_format(drained: Served) -> None:
         json.loads(line[len("data: "):])
 
 
-def test_misc_endpoints(drained: Served) -> None:
-    url = drained.url
+def test_misc_endpoints(any_mode: Served) -> None:
+    url = any_mode.url
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/version").json()["version"]
-    models = client(drained).models.list()
+    models = client(any_mode).models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     tok = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()

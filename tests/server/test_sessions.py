@@ -42,10 +42,10 @@ def tokenize(url: str, text: str, special: bool) -> list[int]:
                                                "add_special_tokens": special}).json()["tokens"]
 
 
-def test_chunked_conversation_equals_one_shot(drained: Served) -> None:
+def test_chunked_conversation_equals_one_shot(any_mode: Served) -> None:
     pieces = [("To be, or not to be,", 3), (" that is the question:", 2),
               (" whether 'tis nobler in the mind", 12)]
-    with connect(ws_url(drained.url), open_timeout=30) as ws:
+    with connect(ws_url(any_mode.url), open_timeout=30) as ws:
         created = recv(ws)
         assert created["type"] == "session.created" and created["model"] == MODEL_NAME
         outputs = [run_chunk(ws, i, prompt=text, max_tokens=m)
@@ -60,14 +60,14 @@ def test_chunked_conversation_equals_one_shot(drained: Served) -> None:
     # The engine's view of the session: every chunk, plus each earlier chunk's outputs
     # without its last sampled token (never fed back). Greedy decoding of that one prompt
     # must give the last chunk's output.
-    prompt = tokenize(drained.url, pieces[0][0], True)
+    prompt = tokenize(any_mode.url, pieces[0][0], True)
     for (text, _), out in zip(pieces[1:], outputs[:-1], strict=True):
-        prompt += out[:-1] + tokenize(drained.url, text, False)
-    r = httpx.post(f"{drained.url}/v1/completions", timeout=60, json={
+        prompt += out[:-1] + tokenize(any_mode.url, text, False)
+    r = httpx.post(f"{any_mode.url}/v1/completions", timeout=60, json={
         "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
         "logprobs": 0})
     one_shot_text = r.json()["choices"][0]["text"]
-    detok = httpx.post(f"{drained.url}/detokenize", json={"tokens": outputs[-1]}).json()
+    detok = httpx.post(f"{any_mode.url}/detokenize", json={"tokens": outputs[-1]}).json()
     assert one_shot_text == detok["prompt"]
 
 
@@ -91,28 +91,28 @@ def test_token_id_chunks_and_bad_messages(drained: Served) -> None:
         assert recv(ws)["type"] == "session.done"
 
 
-def test_paused_session_then_dropped_connection_frees_everything(drained: Served) -> None:
-    with connect(ws_url(drained.url), open_timeout=30) as ws:
+def test_paused_session_then_dropped_connection_frees_everything(any_mode: Served) -> None:
+    with connect(ws_url(any_mode.url), open_timeout=30) as ws:
         recv(ws)
         run_chunk(ws, 0, prompt="Now is the winter of our discontent", max_tokens=2)
         # Between chunks the session is paused, holding its KV blocks and its slot.
         deadline = time.monotonic() + 10
-        while scrape(drained.url)["slotserve:num_paused_sessions"] != 1:
+        while scrape(any_mode.url)["slotserve:num_paused_sessions"] != 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        state = drained.engine_state()
+        state = any_mode.engine_state()
         assert state["used_blocks"] > 0 and len(state["worker_slots"]) == 1
-    state = drained.wait_drained()
+    state = any_mode.wait_drained()
     assert state["used_blocks"] == 0 and not state["worker_slots"], state
 
 
-def test_dropped_connection_mid_chunk_frees_everything(drained: Served) -> None:
-    with connect(ws_url(drained.url), open_timeout=30) as ws:
+def test_dropped_connection_mid_chunk_frees_everything(any_mode: Served) -> None:
+    with connect(ws_url(any_mode.url), open_timeout=30) as ws:
         recv(ws)
         ws.send(json.dumps({"type": "input", "prompt": "Friends, Romans, countrymen,",
                             "max_tokens": 400, "ignore_eos": True}))
         assert recv(ws)["type"] == "delta"
-    state = drained.wait_drained()
+    state = any_mode.wait_drained()
     assert state["used_blocks"] == 0 and not state["worker_slots"], state
 
 
