@@ -65,7 +65,12 @@ def run_server(args: argparse.Namespace) -> int:
                 " with an API key" if args.api_key else "")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=30)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C after a clean shutdown
+    finally:
+        engine.shutdown()  # idempotent; the app's lifespan normally did it already
     return 0
 
 

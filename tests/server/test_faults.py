@@ -122,3 +122,28 @@ def test_engine_that_cannot_continue_turns_health_503(loop_thread: LoopThread,
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_killed_engine_process_turns_health_503(loop_thread: LoopThread) -> None:
+    engine = AsyncLLM.from_engine_args(**{**ENGINE_ARGS, "num_blocks": 64, "check": False},
+                                       engine_mode="process", threads=1)
+    server = start_server(loop_thread, build_app(engine, served_model_names=[MODEL_NAME],
+                                                 shutdown_engine=False))
+    try:
+        url = server.base_url
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                **BODY, "max_tokens": 400, "stream": True}) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        engine._client._proc.kill()  # the engine dies mid-stream
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+        assert httpx.get(f"{url}/health").status_code == 503
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 503
+    finally:
+        server.stop()
+        engine.shutdown()
