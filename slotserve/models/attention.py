@@ -162,11 +162,17 @@ __attribute__((simd("notinbranch"))) float expf(float);
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+#ifdef __clang__
+#define SHUF(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+#else
+#define SHUF(x, ...) __builtin_shuffle(x, (v16i){__VA_ARGS__})
+#endif
+
 static inline float hsum(v16 x) {
-    x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    x += __builtin_shuffle(x, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    x += SHUF(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += SHUF(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += SHUF(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += SHUF(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     return x[0];
 }
 
@@ -233,6 +239,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-tra
 # None: not tried yet; False: unavailable; else the ctypes function.
 _native_fn: Callable[..., int] | bool | None = None
 _pool: ThreadPoolExecutor | None = None
+_pool_key = (0, 0)  # (pid, workers): a pool inherited through fork() has no threads
 
 
 def _cpu_flags() -> str:
@@ -296,7 +303,7 @@ def _native_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                    block_ids: torch.Tensor, max_blocks: int, ctx_lens: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """query [nd, H, D] (rows may be strided) -> [nd, H * D]; see `_NATIVE_SRC`."""
-    global _pool
+    global _pool, _pool_key
     nd, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -321,8 +328,9 @@ def _native_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         run(0, nd)
     else:
         # ctypes drops the GIL during the call, so sequence ranges run in parallel.
-        if _pool is None or _pool._max_workers < threads:
+        if _pool is None or _pool_key[0] != os.getpid() or _pool_key[1] < threads:
             _pool = ThreadPoolExecutor(threads, thread_name_prefix="slotserve-attn")
+            _pool_key = (os.getpid(), threads)
         bounds = [nd * j // threads for j in range(threads + 1)]
         list(_pool.map(run, bounds[:-1], bounds[1:]))
     return out
