@@ -1,4 +1,4 @@
-"""Paged attention in plain torch.
+"""Paged attention: plain torch, plus a native decode kernel for the CPU.
 
 The KV cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim].
 Each step writes the new keys/values through a flat slot mapping, then attends:
