@@ -49,6 +49,14 @@ _COUNTERS = (
     ("generation_tokens", "Tokens generated.",
      ("num_generation_tokens", "generation_tokens", "generation_tokens_total")),
 )
+# How busy the front keeps the engine's step loop (engine_loop.LoopStats).
+_LOOP_COUNTERS = (
+    ("engine_loop_steps", "Steps the engine loop ran.", ("num_steps",)),
+    ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().",
+     ("busy_s",)),
+    ("engine_loop_busy_cpu_seconds", "CPU seconds the engine loop thread spent inside step().",
+     ("busy_cpu_s",)),
+)
 
 
 def stat_value(stats: Any, names: tuple[str, ...]) -> float:
@@ -75,6 +83,11 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
             c.add_metric(labels, stat_value(stats, names) if stats is not None else 0.0)
             yield c
+        loop = self._owner.loop_stats
+        for suffix, doc, names in _LOOP_COUNTERS:
+            c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
+            c.add_metric(labels, stat_value(loop, names) if loop is not None else 0.0)
+            yield c
 
 
 class ServerMetrics:
@@ -84,6 +97,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.stats: Any = None
+        self.loop_stats: Any = None
         self._lock = threading.Lock()
         self.registry.register(_EngineStatsCollector(self))
         lab = ["model_name"]
@@ -107,8 +121,10 @@ class ServerMetrics:
         self._e2e = self.e2e.labels(model_name)
         self._queue = self.queue_time.labels(model_name)
 
-    def set_stats(self, stats: Any) -> None:
+    def set_stats(self, stats: Any, loop_stats: Any = None) -> None:
         self.stats = stats
+        if loop_stats is not None:
+            self.loop_stats = loop_stats
 
     def observe_itl(self, interval_s: float, num_tokens: int = 1) -> None:
         # Tokens that arrive together in one output share the interval evenly.
