@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import functools
 import itertools
 import logging
@@ -109,10 +110,9 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
         for c in out.outputs:
             prev = by_index.get(c.index)
             if prev is None:
-                by_index[c.index] = CompletionOutput(
-                    c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                    None if c.logprobs is None else list(c.logprobs), c.finish_reason,
-                    c.stop_reason)
+                by_index[c.index] = dataclasses.replace(
+                    c, token_ids=list(c.token_ids),
+                    logprobs=None if c.logprobs is None else list(c.logprobs))
                 continue
             prev.text += c.text
             prev.token_ids.extend(c.token_ids)
@@ -120,6 +120,7 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
                 prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
             prev.cumulative_logprob = c.cumulative_logprob
             prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+            prev.finish_message = c.finish_message
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                          [by_index[i] for i in sorted(by_index)], last.finished,
                          last.num_cached_tokens, last.metrics)
@@ -391,12 +392,14 @@ class AsyncLLM:
                     _record_finished(metrics, out)
                 if stream is not None:
                     del self._streams[out.request_id]
-                if any(c.finish_reason == "error" for c in out.outputs):
+                failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+                if failed is not None:
+                    message = (failed.finish_message or result.step_error
+                               or "model step failed")
                     logger.error("request %s failed in the model step: %s", out.request_id,
-                                 result.step_error or "unknown error")
+                                 message)
                     if stream is not None:
-                        stream.fail(RequestFailedError(out.request_id,
-                                                       result.step_error or "model step failed"))
+                        stream.fail(RequestFailedError(out.request_id, message))
                         continue
             if stream is not None:
                 stream.put(out)

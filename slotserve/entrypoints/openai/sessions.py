@@ -154,8 +154,10 @@ class OpenAIServingSessions(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - reported to the client, then closed
             logger.warning("session %s failed: %s", session_id, exc)
             err = to_api_error(exc)
-            await ws.send_json({"type": "error", **err.body(), "fatal": True})
-            await ws.close(code=1011)
+            # The client may be gone already (a failed send is what raised).
+            with contextlib.suppress(Exception):
+                await ws.send_json({"type": "error", **err.body(), "fatal": True})
+                await ws.close(code=1011)
             return
         await ws.send_json({"type": "session.done", "id": session_id, "usage": {
             "prompt_tokens": state.total_prompt, "completion_tokens": state.total_completion,
