@@ -19,10 +19,11 @@ import torch
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from slotserve.errors import InvariantViolation
-from slotserve.models.attention import AttentionMetadata, PrefillSpan, native_decode_supported
+from slotserve.models.attention import AttentionMetadata, PrefillSpan
 from slotserve.models.config import ModelConfig
 from slotserve.models.llama import LlamaForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
+from slotserve.models.native_attention import native_decode_supported
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache, determine_num_blocks
 from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
