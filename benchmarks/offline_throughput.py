@@ -12,7 +12,14 @@ batch does the same work a real static batcher would; only each request's own ou
 counts as useful tokens. Engine overhead is the share of slotserve's wall time spent outside
 the model's forward pass and sampling (ModelRunner.last_forward_s, summed over steps).
 
-    .venv/bin/python benchmarks/offline_throughput.py [--threads 1] [--quick] [--json out.json]
+Each engine is built and warmed up once per model. `--alternate` then runs the two engines
+alternately for `--rounds` rounds on the same requests (swapping which goes first each round)
+and reports medians; ratios are medians of the per-round pairs. Next to wall-clock tokens/s
+every run also reports tokens per second of process CPU time (`time.process_time`), which
+time taken by other processes on a shared machine does not inflate.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--threads 1] [--quick] [--alternate]
+        [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -55,7 +63,20 @@ class Workload:
 
 
 @dataclass(slots=True)
+class Run:
+    """One engine's pass over the whole workload."""
+
+    wall_s: float
+    cpu_s: float  # time.process_time: this process's CPU time, every thread
+    tokens: int  # useful output tokens
+    forward_s: float = 0.0  # slotserve only: wall time in forward + sampling
+    steps: int = 0
+
+
+@dataclass(slots=True)
 class Result:
+    # Medians over rounds; ratios are medians of each round's slotserve / HF pair, so a burst
+    # of load from other processes during one round moves one pair, not the whole report.
     slotserve_tok_s: float
     hf_tok_s: float
     ratio_vs_hf: float
@@ -64,6 +85,19 @@ class Result:
     hf_s: float
     output_tokens: int
     num_steps: int
+    # Tokens per second of process CPU time: time another process takes the core away does
+    # not count, which matters on a shared 2-core machine. Single-threaded (--threads 1) this
+    # is the wall rate on an idle core.
+    slotserve_cpu_tok_s: float
+    hf_cpu_tok_s: float
+    ratio_vs_hf_cpu: float
+    slotserve_cpu_s: float
+    hf_cpu_s: float
+    rounds: int
+    slotserve_tok_s_rounds: list[float]
+    hf_tok_s_rounds: list[float]
+    slotserve_cpu_tok_s_rounds: list[float]
+    hf_cpu_tok_s_rounds: list[float]
 
 
 def make_workload(n: int, vocab: int, prompt_range: tuple[int, int],
@@ -93,67 +127,107 @@ def build_smollm_shaped(folder: Path) -> None:
                             eos_token="</s>", pad_token="<unk>").save_pretrained(folder)
 
 
-def run_slotserve(path: str, work: Workload, max_num_seqs: int) -> tuple[float, float, int, int]:
-    llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=max_num_seqs,
-              max_model_len=work.max_len + 1)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in work.output_lens]
-    inputs = [{"prompt_token_ids": p} for p in work.prompts]
-    llm.generate(inputs[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
-    core = llm.llm_engine.engine_core
-    core.total_forward_s, core.num_steps = 0.0, 0
-    start = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(work.output_lens), "slotserve did not produce every requested token"
-    return elapsed, core.total_forward_s, produced, core.num_steps
+class SlotserveEngine:
+    """An LLM built and warmed up once, so every round times generation only."""
+
+    def __init__(self, path: str, work: Workload, max_num_seqs: int) -> None:
+        self.llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=max_num_seqs,
+                       max_model_len=work.max_len + 1)
+        self.work = work
+        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                       for n in work.output_lens]
+        self.inputs = [{"prompt_token_ids": p} for p in work.prompts]
+        self.llm.generate(self.inputs[:2], SamplingParams(temperature=0.0, max_tokens=4,
+                                                          ignore_eos=True), use_tqdm=False)
+
+    def run(self) -> Run:
+        core = self.llm.llm_engine.engine_core
+        core.total_forward_s, core.num_steps = 0.0, 0
+        wall, cpu = time.perf_counter(), time.process_time()
+        outs = self.llm.generate(self.inputs, self.params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert produced == sum(self.work.output_lens), "slotserve did not produce every token"
+        return Run(wall, cpu, produced, core.total_forward_s, core.num_steps)
 
 
-def run_hf(path: str, work: Workload, batch_size: int) -> tuple[float, int]:
-    from transformers import LlamaForCausalLM
+class HFEngine:
+    """transformers `generate` in static batches, the model loaded and warmed up once."""
 
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    pad = 0
+    PAD = 0
 
-    def generate(prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    def __init__(self, path: str, work: Workload, batch_size: int) -> None:
+        from transformers import LlamaForCausalLM
+
+        self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.work = work
+        self.batch_size = batch_size
+        self._generate(work.prompts[:2], 4)
+
+    def _generate(self, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        ids = torch.tensor([[self.PAD] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            return model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  pad_token_id=pad, eos_token_id=None)
+            return self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                       pad_token_id=self.PAD, eos_token_id=None)
 
-    generate(work.prompts[:2], 4)  # warm-up
-    start = time.perf_counter()
-    useful = 0
-    for i in range(0, len(work.prompts), batch_size):
-        lens = work.output_lens[i:i + batch_size]
-        out = generate(work.prompts[i:i + batch_size], max(lens))
-        assert out.shape[1] - max(len(p) for p in work.prompts[i:i + batch_size]) == max(lens)
-        useful += sum(lens)
-    return time.perf_counter() - start, useful
+    def run(self) -> Run:
+        work, bs = self.work, self.batch_size
+        wall, cpu = time.perf_counter(), time.process_time()
+        useful = 0
+        for i in range(0, len(work.prompts), bs):
+            lens = work.output_lens[i:i + bs]
+            out = self._generate(work.prompts[i:i + bs], max(lens))
+            assert out.shape[1] - max(len(p) for p in work.prompts[i:i + bs]) == max(lens)
+            useful += sum(lens)
+        return Run(time.perf_counter() - wall, time.process_time() - cpu, useful)
 
 
-def bench_model(name: str, path: str, work: Workload, max_num_seqs: int) -> Result:
+def bench_model(name: str, path: str, work: Workload, max_num_seqs: int, rounds: int) -> Result:
     print(f"\n== {name}: {len(work.prompts)} requests, "
           f"{sum(len(p) for p in work.prompts)} prompt / {sum(work.output_lens)} output tokens",
           flush=True)
-    ss_s, forward_s, produced, steps = run_slotserve(path, work, max_num_seqs)
-    ss_tok_s = produced / ss_s
-    print(f"slotserve: {ss_s:7.1f} s  {ss_tok_s:8.1f} output tok/s  ({steps} steps, "
-          f"forward {forward_s:.1f} s)", flush=True)
-    hf_s, useful = run_hf(path, work, max_num_seqs)
-    hf_tok_s = useful / hf_s
-    print(f"HF generate (static batches of {max_num_seqs}): {hf_s:7.1f} s  {hf_tok_s:8.1f} "
-          "useful output tok/s", flush=True)
-    overhead = max(0.0, 1.0 - forward_s / ss_s)
-    ratio = ss_tok_s / hf_tok_s
-    print(f"ratio slotserve / HF: {ratio:.2f}x   engine overhead: {overhead:.1%} of wall time",
+    ss_engine = SlotserveEngine(path, work, max_num_seqs)
+    hf_engine = HFEngine(path, work, max_num_seqs)
+    ss_runs: list[Run] = []
+    hf_runs: list[Run] = []
+    for r in range(rounds):
+        # Swap the order every round so a slow drift in machine load favours neither engine.
+        for engine in ((ss_engine, hf_engine) if r % 2 == 0 else (hf_engine, ss_engine)):
+            run = engine.run()
+            (ss_runs if engine is ss_engine else hf_runs).append(run)
+            label = "slotserve" if engine is ss_engine else "HF generate"
+            extra = (f"  ({run.steps} steps, forward {run.forward_s:.1f} s)"
+                     if engine is ss_engine else f"  (static batches of {max_num_seqs})")
+            print(f"round {r + 1}/{rounds} {label:11s}: {run.wall_s:7.1f} s wall "
+                  f"{run.tokens / run.wall_s:8.1f} tok/s | {run.cpu_s:7.1f} s CPU "
+                  f"{run.tokens / run.cpu_s:8.1f} tok/s{extra}", flush=True)
+
+    ss_wall = [r.tokens / r.wall_s for r in ss_runs]
+    hf_wall = [r.tokens / r.wall_s for r in hf_runs]
+    ss_cpu = [r.tokens / r.cpu_s for r in ss_runs]
+    hf_cpu = [r.tokens / r.cpu_s for r in hf_runs]
+    med = statistics.median
+    res = Result(
+        slotserve_tok_s=med(ss_wall), hf_tok_s=med(hf_wall),
+        ratio_vs_hf=med(s / h for s, h in zip(ss_wall, hf_wall, strict=True)),
+        engine_overhead_frac=med(max(0.0, 1.0 - r.forward_s / r.wall_s) for r in ss_runs),
+        slotserve_s=med(r.wall_s for r in ss_runs), hf_s=med(r.wall_s for r in hf_runs),
+        output_tokens=ss_runs[0].tokens, num_steps=ss_runs[0].steps,
+        slotserve_cpu_tok_s=med(ss_cpu), hf_cpu_tok_s=med(hf_cpu),
+        ratio_vs_hf_cpu=med(s / h for s, h in zip(ss_cpu, hf_cpu, strict=True)),
+        slotserve_cpu_s=med(r.cpu_s for r in ss_runs), hf_cpu_s=med(r.cpu_s for r in hf_runs),
+        rounds=rounds, slotserve_tok_s_rounds=ss_wall, hf_tok_s_rounds=hf_wall,
+        slotserve_cpu_tok_s_rounds=ss_cpu, hf_cpu_tok_s_rounds=hf_cpu)
+    what = f"median of {rounds} rounds" if rounds > 1 else "1 round"
+    print(f"{what}: slotserve {res.slotserve_tok_s:.1f} tok/s wall, {res.slotserve_cpu_tok_s:.1f}"
+          f" CPU | HF {res.hf_tok_s:.1f} wall, {res.hf_cpu_tok_s:.1f} CPU (useful tokens)",
           flush=True)
-    return Result(ss_tok_s, hf_tok_s, ratio, overhead, ss_s, hf_s, produced, steps)
+    print(f"ratio slotserve / HF: {res.ratio_vs_hf:.2f}x wall, {res.ratio_vs_hf_cpu:.2f}x CPU "
+          f"time   engine overhead: {res.engine_overhead_frac:.1%} of wall time", flush=True)
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,27 +240,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bundled", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--alternate", action="store_true",
+                        help="run slotserve and HF alternately for --rounds rounds on the same "
+                             "requests and report medians")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds with --alternate (default 3)")
     args = parser.parse_args(argv)
+    rounds = max(1, args.rounds) if args.alternate else 1
 
     torch.set_num_threads(args.threads)
     n = args.num_requests or (16 if args.quick else 64)
     lens = (16, 64) if args.quick else (32, 256)
     print(f"torch threads: {args.threads}; requests: {n}; prompt and output lengths uniform in "
-          f"{list(lens)}; max_num_seqs {args.max_num_seqs}")
+          f"{list(lens)}; max_num_seqs {args.max_num_seqs}; rounds {rounds}")
     report: dict[str, Any] = {"threads": args.threads, "num_requests": n,
-                              "lengths": list(lens), "max_num_seqs": args.max_num_seqs}
+                              "lengths": list(lens), "max_num_seqs": args.max_num_seqs,
+                              "rounds": rounds}
     with tempfile.TemporaryDirectory(prefix="slotserve-bench-") as tmp:
         build_smollm_shaped(Path(tmp))
         work = make_workload(n, SMOLLM_SHAPE["vocab_size"], lens, lens, args.seed)
         report.update(asdict(bench_model("SmolLM-135M-shaped (random weights)", tmp, work,
-                                         args.max_num_seqs)))
+                                         args.max_num_seqs, rounds)))
     if not args.skip_bundled:
         from slotserve.models.config import ModelConfig
 
         vocab = ModelConfig.from_pretrained(DEFAULT_MODEL).vocab_size
         work = make_workload(n, vocab, lens, lens, args.seed)
         report["bundled"] = asdict(bench_model("bundled model", DEFAULT_MODEL, work,
-                                               args.max_num_seqs))
+                                               args.max_num_seqs, rounds))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")
