@@ -58,7 +58,8 @@ class RequestFailedError(RuntimeError):
 class _RequestStream:
     """Outputs of one request waiting for its consumer, on the event loop's side."""
 
-    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "boundaries")
+    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "boundaries", "prompts",
+                 "dispatched_chunks")
 
     def __init__(self, request_id: str, num_seqs: int = 1) -> None:
         self.request_id = request_id
@@ -67,6 +68,16 @@ class _RequestStream:
         self.event = asyncio.Event()
         self.error: BaseException | None = None
         self.boundaries = 0
+        # What was sent, per chunk: a process-mode engine does not send prompts back.
+        self.prompts: list[tuple[str | None, list[int]]] = []
+        self.dispatched_chunks = 0
+
+    def fill_prompt(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids is None and self.prompts:
+            chunk = min(self.dispatched_chunks, len(self.prompts) - 1)
+            out.prompt, out.prompt_token_ids = self.prompts[chunk]
+        if _is_boundary(out):
+            self.dispatched_chunks += 1
 
     def put(self, out: RequestOutput) -> None:
         self.items.append(out)
@@ -254,6 +265,7 @@ class AsyncLLM:
         processed = prompt if isinstance(prompt, ProcessedRequest) else self.process_request(
             prompt, sampling_params, request_id, priority=priority)
         stream = self._register(processed.request_id, len(processed.requests))
+        stream.prompts.append((processed.prompt, processed.prompt_token_ids))
         rid = stream.request_id
         finished = False
         try:
@@ -283,7 +295,8 @@ class AsyncLLM:
                     if isinstance(prompt, str):
                         # Only the session's first chunk starts with BOS and friends.
                         prompt = self.tokenize(prompt, add_special_tokens=first)
-                    self._client.add_request(rid, {"prompt_token_ids": list(prompt)},
+                    stream.prompts.append((None, list(prompt)))
+                    self._client.add_request(rid, {"prompt_token_ids": stream.prompts[-1][1]},
                                              params, priority=priority, resumable=True)
                     state["sent"] += 1
                 if state["sent"]:
@@ -387,6 +400,8 @@ class AsyncLLM:
                 stream.fail(error)
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.fill_prompt(out)
             if out.finished:
                 if metrics is not None:
                     _record_finished(metrics, out)

@@ -65,6 +65,8 @@ class LoopStats:
     # CPU seconds the loop thread spent inside step(): below busy_s when the step waited
     # (for the GIL, or for a CPU taken by other processes).
     busy_cpu_s: float = 0.0
+    # Seconds spent handing results to the front (in process mode: queueing them).
+    post_s: float = 0.0
 
 
 _ADD, _ADD_PROCESSED, _ABORT, _CALL, _STATS, _STOP = range(6)
@@ -85,6 +87,7 @@ class EngineLoop:
         self.dead_error: BaseException | None = None
         self.busy_s = 0.0
         self.busy_cpu_s = 0.0
+        self.post_s = 0.0
         self.num_steps = 0
         self._started = time.perf_counter()
 
@@ -120,8 +123,8 @@ class EngineLoop:
             else:
                 reply(True, value)
         elif kind == _STATS:
-            arg(True, LoopStats(self.num_steps, self.busy_s,
-                                time.perf_counter() - self._started, self.busy_cpu_s))
+            arg(True, LoopStats(self.num_steps, self.busy_s, time.perf_counter() - self._started,
+                                self.busy_cpu_s, self.post_s))
         return kind != _STOP
 
     def run(self) -> None:
@@ -151,7 +154,9 @@ class EngineLoop:
                     failed_steps = self._failed_steps()
                     result.step_error = self._last_step_error()
             if result.outputs or result.request_errors or result.dead_error is not None:
+                t0 = time.perf_counter()
                 self._post(result)
+                self.post_s += time.perf_counter() - t0
         error = EngineDeadError(str(self.dead_error or "the engine loop stopped"))
         while (item := _poll(cmds)) is not None:
             if item[0] in (_CALL, _STATS):
@@ -230,22 +235,16 @@ def _portable(exc: BaseException) -> BaseException:
     return exc
 
 
-def _compact(result: StepResult, sent_prompts: dict[str, int]) -> StepResult:
-    """Strip what the front already has: prompts it was sent before, and the per-token
-    timestamps until a request finishes (they are only read then)."""
+def _compact(result: StepResult) -> StepResult:
+    """Strip what the front has already: the prompt (AsyncLLM knows what it sent), and the
+    per-token timestamps until a request finishes (they are only read then)."""
     outputs = []
     for out in result.outputs:
-        changes: dict[str, Any] = {}
-        key = id(out.prompt_token_ids)
-        if sent_prompts.get(out.request_id) == key:
-            changes.update(prompt=None, prompt_token_ids=None)
-        if out.finished:
-            sent_prompts.pop(out.request_id, None)
-        else:
-            sent_prompts[out.request_id] = key
-            if out.metrics is not None and out.metrics.token_times:
-                changes["metrics"] = dataclasses.replace(out.metrics, token_times=[])
-        outputs.append(dataclasses.replace(out, **changes) if changes else out)
+        metrics = out.metrics
+        if not out.finished and metrics is not None and metrics.token_times:
+            metrics = dataclasses.replace(metrics, token_times=[])
+        outputs.append(dataclasses.replace(out, prompt=None, prompt_token_ids=None,
+                                           metrics=metrics))
     errors = [(rid, _portable(e)) for rid, e in result.request_errors]
     dead = _portable(result.dead_error) if result.dead_error is not None else None
     return StepResult(outputs, errors, result.step_error, dead)
@@ -271,12 +270,30 @@ def _child_main(conn: Any, engine_kwargs: dict[str, Any], threads: int | None,
         conn.send(("failed", _portable(exc)))
         return
     conn.send(("ready", engine_info(engine)))
-    sent_prompts: dict[str, int] = {}
-    loop = EngineLoop(engine, lambda r: conn.send(("step", _compact(r, sent_prompts))))
+    # The engine thread only queues its results; a sender thread pickles and writes them, so
+    # a step never waits on the pipe, and pickling overlaps the next forward pass (torch
+    # releases the GIL). Whatever piled up meanwhile goes out as one message.
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    loop = EngineLoop(engine, lambda r: outbox.put(("step", _compact(r))))
+
+    def send_results() -> None:
+        done = False
+        while not done:
+            batch = [outbox.get()]
+            while (item := _poll(outbox)) is not None:
+                batch.append(item)
+            if None in batch:
+                done = True
+                batch = [m for m in batch if m is not None]
+            if batch:
+                try:
+                    conn.send(batch)
+                except (OSError, ValueError):
+                    return  # the parent is gone
 
     def reply_for(call_id: int) -> Reply:
-        return lambda ok, value: conn.send(("reply", call_id, ok,
-                                            value if ok else _portable(value)))
+        return lambda ok, value: outbox.put(("reply", call_id, ok,
+                                             value if ok else _portable(value)))
 
     def read_commands() -> None:
         # The engine thread never waits on the pipe: commands land in its queue.
@@ -292,9 +309,15 @@ def _child_main(conn: Any, engine_kwargs: dict[str, Any], threads: int | None,
             if kind == _STOP:
                 return
 
+    sender = threading.Thread(target=send_results, name="slotserve-engine-results")
+    sender.start()
     threading.Thread(target=read_commands, name="slotserve-engine-commands",
                      daemon=True).start()
-    loop.run()
+    try:
+        loop.run()
+    finally:
+        outbox.put(None)  # flush what is queued, then let the process end
+        sender.join(30)
 
 
 class ProcessEngineClient:
@@ -375,33 +398,22 @@ class ProcessEngineClient:
         return self._new_call(_STATS, None)
 
     def _read(self) -> None:
-        prompts: dict[str, tuple[str | None, list[int] | None]] = {}
-        while True:
+        while self.dead_error is None:
             try:
-                msg = self._conn.recv()
+                batch = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "reply":
-                _, call_id, ok, value = msg
-                future = self._calls.pop(call_id, None)
-                if future is not None:
-                    _future_reply(future)(ok, value)
-                continue
-            result: StepResult = msg[1]
-            for i, out in enumerate(result.outputs):
-                if out.prompt_token_ids is None:
-                    prompt, ids = prompts.get(out.request_id, (None, []))
-                    out = result.outputs[i] = dataclasses.replace(
-                        out, prompt=prompt, prompt_token_ids=ids or [])
-                if out.finished:
-                    prompts.pop(out.request_id, None)
-                else:
-                    prompts[out.request_id] = (out.prompt, out.prompt_token_ids)
-            if result.dead_error is not None:
-                self.dead_error = result.dead_error
-            self._on_result(result)
-            if result.dead_error is not None:
-                break
+            for msg in batch:
+                if msg[0] == "reply":
+                    _, call_id, ok, value = msg
+                    future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        _future_reply(future)(ok, value)
+                    continue
+                result: StepResult = msg[1]
+                if result.dead_error is not None:
+                    self.dead_error = result.dead_error
+                self._on_result(result)
         if self.dead_error is None:
             code = self._proc.exitcode
             self.dead_error = EngineDeadError(

@@ -30,17 +30,22 @@ def test_merge_deltas_never_crosses_a_chunk_boundary() -> None:
     assert merged[-1].finished
 
 
-def test_deltas_add_up_to_the_full_output(drained: Served) -> None:
-    async def run() -> tuple[str, list[int], list[str]]:
+def test_deltas_add_up_to_the_full_output(any_mode: Served) -> None:
+    engine = any_mode.engine
+    prompt_ids = engine.tokenize("To be, or not")
+
+    async def run() -> tuple[str, list[int], list[str | None]]:
         text, tokens, reasons = "", [], []
-        async for o in drained.engine.generate("To be, or not", GREEDY):
+        async for o in engine.generate("To be, or not", GREEDY):
+            # The prompt comes with every output, in process mode too.
+            assert o.prompt == "To be, or not" and o.prompt_token_ids == prompt_ids
             text += o.outputs[0].text
             tokens += o.outputs[0].token_ids
             reasons.append(o.outputs[0].finish_reason)
         return text, tokens, reasons
 
-    text, tokens, reasons = drained.loop.run(run())
-    again = drained.loop.run(run())
+    text, tokens, reasons = any_mode.loop.run(run())
+    again = any_mode.loop.run(run())
     assert len(tokens) == 12 and reasons[-1] == "length" and set(reasons[:-1]) <= {None}
     assert (text, tokens) == again[:2]  # greedy: deterministic
 
