@@ -171,7 +171,9 @@ class AsyncLLM:
                          engine_mode: Literal["thread", "process"] = "thread",
                          threads: int | None = None, **engine_args: Any) -> AsyncLLM:
         """Build the engine on a thread of this process, or (engine_mode="process") in a
-        child process so the step loop never shares a GIL with the event loop."""
+        spawned child process so the step loop never shares a GIL with the event loop (the
+        calling script then needs the usual `if __name__ == "__main__":` guard; `threads`
+        sets the child's torch threads)."""
         if engine_mode == "thread":
             from slotserve.engine.llm_engine import LLMEngine
 
