@@ -183,22 +183,23 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=st.stop_reason if finish else None)]))
             return frames
 
+        # One write per engine output (each socket send costs more than building the JSON),
+        # and the usage event goes out together with [DONE].
+        tail = ""
         try:
             # OpenAI opens each choice with the assistant role and empty content.
-            for k in range(req.n):
-                yield chunk([ChatCompletionResponseStreamChoice(
-                    index=k, delta=DeltaMessage(role="assistant", content=""))])
-            for frame in frames_for(first[1]):
-                yield frame
+            yield "".join([chunk([ChatCompletionResponseStreamChoice(
+                index=k, delta=DeltaMessage(role="assistant", content=""))])
+                for k in range(req.n)] + frames_for(first[1]))
             async for _, out in rest:
-                for frame in frames_for(out):
-                    yield frame
+                if frames := frames_for(out):
+                    yield "".join(frames)
             if include_usage:
-                yield sse(ChatCompletionStreamResponse(
+                tail = sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
                     usage=self.usage(num_prompt, sum(s.num_tokens for s in states), cached)))
         except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
-            yield stream_error(exc)
+            tail = stream_error(exc)
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
-        yield SSE_DONE
+        yield tail + SSE_DONE

@@ -166,19 +166,22 @@ class OpenAIServingCompletion(OpenAIServing):
                 frames.append(sse(chunk))
             return frames
 
+        # One write per engine output (each socket send costs more than building the JSON),
+        # and the usage event goes out together with [DONE].
+        tail = ""
         try:
-            for frame in frames_for(*first):
-                yield frame
+            if frames := frames_for(*first):
+                yield "".join(frames)
             async for i, out in rest:
-                for frame in frames_for(i, out):
-                    yield frame
+                if frames := frames_for(i, out):
+                    yield "".join(frames)
             if include_usage:
-                yield sse(CompletionStreamResponse(
+                tail = sse(CompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],
                     usage=self.usage(num_prompt, sum(s.num_tokens for s in states),
                                      sum(cached))))
         except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
-            yield stream_error(exc)
+            tail = stream_error(exc)
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
-        yield SSE_DONE
+        yield tail + SSE_DONE
