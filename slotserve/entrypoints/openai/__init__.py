@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`slotserve serve`): see api_server.build_app."""
