@@ -133,13 +133,18 @@ class EngineLoop:
         running = True
         while running:
             errors: list[tuple[str, BaseException]] = []
-            # Block only when idle: a busy engine must never wait for the front.
-            item = cmds.get() if not engine.has_unfinished_requests() else _poll(cmds)
+            # Block only when idle: a busy engine must never wait for the front. Paused
+            # sessions need a tick now and then: schedule() is where idle ones time out.
+            ticking = _has_paused_sessions(engine)
+            if engine.has_unfinished_requests():
+                item = _poll(cmds)
+            else:
+                item = _wait(cmds, SESSION_TICK_S if ticking else None)
             while item is not None and running:
                 running = self._apply(item[0], item[1], errors)
                 item = _poll(cmds)
             result = StepResult(request_errors=errors)
-            if running and engine.has_unfinished_requests():
+            if running and (engine.has_unfinished_requests() or ticking):
                 t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     result.outputs = engine.step()
@@ -162,6 +167,22 @@ class EngineLoop:
             if item[0] in (_CALL, _STATS):
                 reply = item[1][1] if item[0] == _CALL else item[1]
                 reply(False, error)
+
+
+SESSION_TICK_S = 1.0
+
+
+def _has_paused_sessions(engine: Any) -> bool:
+    core = getattr(engine, "engine_core", None)
+    return bool(core is not None and core.scheduler.paused)
+
+
+def _wait(cmds: queue.SimpleQueue[tuple[int, Any]],
+          timeout: float | None) -> tuple[int, Any] | None:
+    try:
+        return cmds.get(timeout=timeout)
+    except queue.Empty:
+        return None
 
 
 def _poll(cmds: queue.SimpleQueue[tuple[int, Any]]) -> tuple[int, Any] | None:
