@@ -9,18 +9,19 @@ from slotserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from slotserve.engine.args import EngineArgs
     from slotserve.engine.llm_engine import LLMEngine
-    from slotserve.entrypoints.async_llm import AsyncLLM
+    from slotserve.entrypoints.async_llm import AsyncLLM, StreamingInput
     from slotserve.entrypoints.llm import LLM
     from slotserve.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "LLMEngine", "EngineArgs",
+           "RequestOutput", "CompletionOutput"]
 
 # Imported on first use: these pull in torch and transformers, which `import slotserve`
 # (e.g. for SamplingParams in a client) should not pay for.
 _LAZY = {
     "LLM": "slotserve.entrypoints.llm",
     "AsyncLLM": "slotserve.entrypoints.async_llm",
+    "StreamingInput": "slotserve.entrypoints.async_llm",
     "LLMEngine": "slotserve.engine.llm_engine",
     "EngineArgs": "slotserve.engine.args",
     "RequestOutput": "slotserve.outputs",
