@@ -39,19 +39,30 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{index}_{request_id}"
 
 
+# Used only when a tokenizer has no chat template of its own.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def apply_chat_template(tokenizer: Any, conversation: Conversation,
                         add_generation_prompt: bool = True,
-                        chat_template: str | None = None) -> dict[str, Any]:
+                        chat_template: str | None = None, *,
+                        continue_final_message: bool = False,
+                        template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """A conversation -> a prompt dict (text and token ids) through the chat template."""
     if isinstance(conversation, str) or not isinstance(conversation, Sequence) or not all(
             isinstance(m, Mapping) and "role" in m for m in conversation):
         raise RequestValidationError("a conversation is a list of {'role': ..., "
                                      "'content': ...} messages", "messages")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        chat_template = FALLBACK_CHAT_TEMPLATE
     try:
         text = tokenizer.apply_chat_template(
             [dict(m) for m in conversation], tokenize=False,
-            add_generation_prompt=add_generation_prompt, chat_template=chat_template)
-    except Exception as exc:  # no template, or the template rejected the messages
+            add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except Exception as exc:  # the template rejected the messages
         raise RequestValidationError(f"cannot apply the chat template: {exc}",
                                      "messages") from exc
     # The template already writes any BOS; tokenizing with special tokens would double it.

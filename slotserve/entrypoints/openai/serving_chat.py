@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
-from slotserve.engine.processor import ProcessedRequest
+from slotserve.engine.processor import ProcessedRequest, apply_chat_template
 from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
@@ -40,11 +40,6 @@ from slotserve.entrypoints.openai.serving_engine import (
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
-# Used only when a tokenizer has no chat template of its own.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
                 continue_final_message: bool = False,
@@ -56,16 +51,13 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
         raise bad_request("continue_final_message needs add_generation_prompt=false and a "
                           "final assistant message", "continue_final_message")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=template,
-            **(template_kwargs or {}))
-    except Exception as exc:  # noqa: BLE001 - the template refused these messages
-        raise bad_request(f"cannot apply the chat template: {exc}", "messages") from exc
-    # The template writes BOS itself where the model wants one.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        prompt = apply_chat_template(tokenizer, conversation, add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     template_kwargs=template_kwargs)
+    except RequestValidationError as exc:
+        raise bad_request(exc.message, exc.param) from exc
+    return prompt["prompt_token_ids"]
 
 
 def _chat_param_names(req: ChatCompletionRequest,
