@@ -24,12 +24,9 @@ from slotserve.entrypoints.openai.serving_engine import (
     ChoiceState,
     OpenAIServing,
     check_prompt_count,
-    json_response,
     merge_generators,
     sse,
     stream_error,
-    to_api_error,
-    until_disconnected,
 )
 from slotserve.outputs import RequestOutput
 
@@ -63,19 +60,11 @@ class OpenAIServingCompletion(OpenAIServing):
                      for i, p in enumerate(prompts)]
         created = int(time.time())
         outputs = merge_generators([self.engine.generate(p) for p in processed])
-        if req.stream:
-            response = await self.stream(
-                raw, outputs, lambda first, rest: self._frames(
-                    req, processed, request_id, created, model, first, rest))
-            return response if response is not None else Response(status_code=499)
-        try:
-            result = await until_disconnected(
-                raw, self._collect(req, processed, request_id, created, model, outputs))
-        except Exception as exc:
-            raise to_api_error(exc) from exc
-        if result is None:
-            return Response(status_code=499)
-        return json_response(result)
+        return await self.respond(
+            raw, bool(req.stream), outputs,
+            lambda first, rest: self._frames(req, processed, request_id, created, model, first,
+                                             rest),
+            lambda outs: self._collect(req, processed, request_id, created, model, outs))
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int, text_offset: int) -> CompletionLogProbs:

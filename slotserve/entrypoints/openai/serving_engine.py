@@ -109,6 +109,24 @@ class OpenAIServing:
                          total_tokens=prompt_tokens + completion_tokens,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
+    async def respond(self, raw: Request, streaming: bool,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]], frames: Any,
+                      collect: Any) -> Response:
+        """SSE frames when streaming, else one JSON body; 499 once the client has gone.
+
+        `frames(first, outputs)` yields SSE strings; `collect(outputs)` awaits the body.
+        """
+        if streaming:
+            response = await self.stream(raw, outputs, frames)
+            return response if response is not None else Response(status_code=499)
+        try:
+            result = await until_disconnected(raw, collect(outputs))
+        except Exception as exc:
+            raise to_api_error(exc) from exc
+        if result is None:
+            return Response(status_code=499)
+        return json_response(result)
+
     async def stream(self, raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
                      frames: Any) -> Any:
         """Start an SSE response once the first output exists.
