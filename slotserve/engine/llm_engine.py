@@ -6,6 +6,7 @@ add_request (validate, tokenize, fan out n) -> EngineCore.step() -> OutputProces
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slotserve.core.request import Request
+from slotserve.core.scheduler import SchedulerStats
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.core import EngineCore
 from slotserve.engine.detokenizer import make_decode_fn
@@ -29,16 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """A snapshot for logging and /metrics; counters are cumulative since start."""
+class EngineStats(SchedulerStats):
+    """The scheduler's snapshot plus the engine's own counters (cumulative since start)."""
 
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_paused_sessions: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
     num_failed_steps: int
@@ -214,13 +209,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         s = self.engine_core.scheduler.make_stats()
         return EngineStats(
-            num_running_reqs=s.num_running_reqs,
-            num_waiting_reqs=s.num_waiting_reqs,
-            num_paused_sessions=s.num_paused_sessions,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
+            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
             prompt_tokens_total=self.output_processor.num_prompt_tokens_total,
             generation_tokens_total=self.output_processor.num_generation_tokens_total,
             num_failed_steps=self.engine_core.num_failed_steps,
