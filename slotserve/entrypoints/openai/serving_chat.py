@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -83,13 +82,8 @@ class OpenAIServingChat(OpenAIServing):
             processed = self.prepare(prompt_ids, params, request_id, req.priority)
         except (RequestValidationError, APIError) as exc:
             raise _chat_param_names(req, exc) from exc
-        created = int(time.time())
         outputs = merge_generators([self.engine.generate(processed)])
-        return await self.respond(
-            raw, bool(req.stream), outputs,
-            lambda first, rest: self._frames(req, processed, request_id, created, model, first,
-                                             rest),
-            lambda outs: self._collect(req, processed, request_id, created, model, outs))
+        return await self.respond(raw, req, processed, request_id, model, outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int) -> ChatChoiceLogProbs:

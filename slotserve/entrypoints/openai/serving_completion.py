@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -58,13 +57,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{random_uuid()}"
         processed = [self.prepare(p, params, f"{request_id}-{i}", req.priority)
                      for i, p in enumerate(prompts)]
-        created = int(time.time())
         outputs = merge_generators([self.engine.generate(p) for p in processed])
-        return await self.respond(
-            raw, bool(req.stream), outputs,
-            lambda first, rest: self._frames(req, processed, request_id, created, model, first,
-                                             rest),
-            lambda outs: self._collect(req, processed, request_id, created, model, outs))
+        return await self.respond(raw, req, processed, request_id, model, outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int, text_offset: int) -> CompletionLogProbs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -109,18 +110,22 @@ class OpenAIServing:
                          total_tokens=prompt_tokens + completion_tokens,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
-    async def respond(self, raw: Request, streaming: bool,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]], frames: Any,
-                      collect: Any) -> Response:
-        """SSE frames when streaming, else one JSON body; 499 once the client has gone.
+    async def respond(self, raw: Request, req: Any, processed: Any, request_id: str,
+                      model: str, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
+        """SSE frames when `req.stream`, else one JSON body; 499 once the client has gone.
 
-        `frames(first, outputs)` yields SSE strings; `collect(outputs)` awaits the body.
+        Subclasses define `_frames(req, processed, request_id, created, model, first, rest)`
+        (yields SSE strings) and `_collect(req, processed, request_id, created, model,
+        outputs)` (awaits the body).
         """
-        if streaming:
-            response = await self.stream(raw, outputs, frames)
+        created = int(time.time())
+        if req.stream:
+            response = await self.stream(raw, outputs, lambda first, rest: self._frames(
+                req, processed, request_id, created, model, first, rest))
             return response if response is not None else Response(status_code=499)
         try:
-            result = await until_disconnected(raw, collect(outputs))
+            result = await until_disconnected(
+                raw, self._collect(req, processed, request_id, created, model, outputs))
         except Exception as exc:
             raise to_api_error(exc) from exc
         if result is None:
