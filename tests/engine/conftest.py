@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from slotserve.engine.args import EngineArgs  # noqa: E402
 from slotserve.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.engine.fake_runner import FakeModelRunner  # noqa: E402
+from tests.models.conftest import randomize
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 BOS, EOS = 0, 1
@@ -87,23 +88,6 @@ def fake_engine(tokenizer: Any) -> FakeEngineFactory:
 
 
 # ----- tiny random-weight Llama with the test tokenizer -------------------------------------
-
-def randomize(model: Any, seed: int) -> None:
-    """Weights spread wide enough that greedy decoding has no near-ties (std 0.02 has many),
-    so batched and single runs pick the same tokens despite float reassociation."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> SimpleNamespace:
