@@ -62,14 +62,16 @@ def test_64_streaming_clients_with_disconnects(any_mode: Served) -> None:
     prompts = [[1] + [rng.randrange(10, 4000) for _ in range(rng.randrange(8, 40))]
                for _ in range(NUM_CLIENTS)]
     quitters = set(rng.sample(range(NUM_CLIENTS), NUM_CLIENTS // 3))
-    # Deltas that pile up while a client lags arrive merged, so a stream has fewer chunks
-    # than tokens; a few chunks are always there to hang up after.
+    # Deltas that pile up while a client lags arrive merged, so a stream can have fewer
+    # chunks than a quitter waits for: such a quitter simply completes.
     hang_ups = [rng.randrange(1, 5) if i in quitters else None for i in range(NUM_CLIENTS)]
     before = scrape(any_mode.url)
     results = asyncio.run(run_clients(any_mode.url, prompts, hang_ups))
 
     completed = [r for r in results if not r["hung_up"]]
-    assert len(completed) == NUM_CLIENTS - len(quitters)
+    assert all(i in quitters for i, r in enumerate(results) if r["hung_up"])
+    assert len(completed) >= NUM_CLIENTS - len(quitters)
+    assert len(completed) < NUM_CLIENTS, "no client hung up mid-stream"
     for r in completed:
         assert r["usage"]["completion_tokens"] == MAX_TOKENS
     state = any_mode.wait_drained()
