@@ -7,15 +7,14 @@ add_request (validate, tokenize, fan out n) -> EngineCore.step() -> OutputProces
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from slotserve.checkpoint import load_tokenizer, resolve_checkpoint
 from slotserve.core.request import Request
 from slotserve.core.scheduler import SchedulerStats
 from slotserve.engine.args import EngineArgs
@@ -23,7 +22,7 @@ from slotserve.engine.core import EngineCore
 from slotserve.engine.detokenizer import make_decode_fn
 from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType, normalize_eos
-from slotserve.errors import ModelLoadError, RequestValidationError
+from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
 
@@ -37,24 +36,6 @@ class EngineStats(SchedulerStats):
     prompt_tokens_total: int
     generation_tokens_total: int
     num_failed_steps: int
-
-
-def load_tokenizer(path: str) -> Any:
-    """The folder's tokenizer. A plain tokenizer.json tokenizer is loaded directly: going
-    through AutoTokenizer costs seconds of imports that `slotserve generate` would pay."""
-    import transformers
-
-    try:
-        cls: Any = transformers.AutoTokenizer
-        folder = Path(path)
-        config_file = folder / "tokenizer_config.json"
-        if (folder / "tokenizer.json").is_file() and config_file.is_file():
-            declared = json.loads(config_file.read_text()).get("tokenizer_class")
-            if declared in (None, "PreTrainedTokenizerFast"):
-                cls = transformers.PreTrainedTokenizerFast
-        return cls.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types for a bad folder
-        raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from exc
 
 
 def _build_model_runner(args: EngineArgs, path: str, scheduler_config: Any,
@@ -74,9 +55,7 @@ class LLMEngine:
         needs_path = model_config is None or tokenizer is None or model_runner is None
         path = args.model_path() if needs_path else str(args.model)
         if model_config is None:
-            from slotserve.models.config import ModelConfig
-
-            model_config = ModelConfig.from_pretrained(path)
+            model_config = resolve_checkpoint(path).config
         self.model_config = model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             args.tokenizer or path)

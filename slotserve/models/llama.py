@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v are fused into
-`qkv_proj` and gate/up into `gate_up_proj` (fewer, larger matmuls; the loader fills the slices).
+`qkv_proj` and gate/up into `gate_up_proj` (fewer, larger matmuls). The class owns that layout:
+`packed_modules_mapping` and the fused layers' `weight_loader` (models/weight_utils.py) put each
+checkpoint tensor into its slice, whichever reader (safetensors, GGUF) delivered it.
 The numerics follow transformers' implementation op for op (RMSNorm in float32, RoPE tables in
 float32 cast to the model dtype) so that greedy outputs match it token for token.
 """
@@ -9,6 +11,8 @@ float32 cast to the model dtype) so that greedy outputs match it token for token
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,7 @@ from torch import nn
 
 from slotserve.models.attention import AttentionMetadata, paged_attention, write_kv
 from slotserve.models.config import ModelConfig, RopeConfig
+from slotserve.models.weight_utils import ShardedLinear, load_packed_weights
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -44,6 +49,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
                                      .float() / head_dim))
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type != "llama3":
@@ -81,8 +88,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
+        self.qkv_proj = ShardedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size,
+                                                         "v": self.kv_size},
+                                      bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -115,8 +123,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
-                                      bias=cfg.mlp_bias)
+        self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: cfg.intermediate_size,
+                                                            1: cfg.intermediate_size},
+                                          bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +157,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# Older exports saved the RoPE buffer; it holds nothing we need.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
 class LlamaForCausalLM(nn.Module):
     """One class for the whole family; `ModelConfig` switches biases, q/k norm and RoPE."""
+
+    # checkpoint module -> (our fused module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -160,6 +182,16 @@ class LlamaForCausalLM(nn.Module):
         # Filled by init_rope() once the module lives on its real device.
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Fill every parameter from Hugging Face-named checkpoint tensors."""
+        tied = self.config.tie_word_embeddings
+
+        def skip(name: str) -> bool:
+            # Some tied checkpoints store lm_head too; the embedding is the one we use.
+            return bool(_IGNORED.match(name)) or (tied and name == "lm_head.weight")
+
+        load_packed_weights(self, weights, source=source, skip=skip)
 
     def init_rope(self, max_positions: int) -> None:
         """Precompute cos/sin for every position: a step only indexes them."""
