@@ -14,6 +14,7 @@ deltas are merged into one, never across a streaming session's chunk boundary.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -184,12 +185,17 @@ class AsyncLLM:
         from slotserve.engine.llm_engine import load_tokenizer
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        tokenizer = load_tokenizer(args.tokenizer or args.model_path())
+        path = args.tokenizer or args.model_path()
         self = cls.__new__(cls)
-        client = ProcessEngineClient(dict(model=model, **engine_args),
-                                     lambda result: self._post_from_engine(result),
-                                     threads=threads)
-        cls.__init__(self, None, metrics=metrics, _client=client, _tokenizer=tokenizer)
+        # The tokenizer loads here while the child starts the engine (seconds each for a large
+        # vocabulary). The child loads it too, so a broken one fails the child the same way.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(load_tokenizer, path)
+            client = ProcessEngineClient(dict(model=model, **engine_args),
+                                         lambda result: self._post_from_engine(result),
+                                         threads=threads)
+        cls.__init__(self, None, metrics=metrics, _client=client,
+                     _tokenizer=tokenizer.result())
         return self
 
     # ----- health -----------------------------------------------------------------------------
