@@ -23,6 +23,7 @@ from gguf import (
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
     GGUFWriter,
+    RopeScalingType,
     get_tensor_name_map,
 )
 from gguf.quants import dequantize, quantize
@@ -93,6 +94,9 @@ def to_gguf(hf: torch.nn.Module, path: Path, qtype: GGMLQuantizationType = Q.F32
         rope = dict(rope.get("full_attention", rope))
         writer.add_sliding_window(cfg.sliding_window)
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1e4))))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     if head_dim != cfg.hidden_size // heads or arch == "gemma3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

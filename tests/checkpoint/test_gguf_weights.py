@@ -23,6 +23,11 @@ from tests.models.test_model_hf_equivalence import hf_greedy
 NEW_TOKENS = 16
 PROMPTS = [[5, 9, 20, 7], list(range(10, 41)), [100, 3, 3, 250, 17, 60, 61]]
 # Every type slotserve loads; the k-quants need rows of 256 values.
+# A GGUF file carries no layer pattern or attention scale for Gemma 3: llama.cpp assumes every
+# 6th layer global and head_dim ** -0.5, so the tiny Gemma written to GGUF takes those.
+GGUF_OVERRIDES: dict[str, dict[str, object]] = {"gemma3": dict(
+    num_hidden_layers=6, query_pre_attn_scalar=32,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
          Q.Q5_K, Q.Q6_K]
 
@@ -49,7 +54,7 @@ def greedy(path: Path, prompts: list[list[int]], chunk: int | None = None) -> li
 @pytest.mark.parametrize("name", list(TINY_MODELS))
 def test_architecture_matches_safetensors_and_hf(tmp_path: Path, name: str) -> None:
     qtype = Q.Q8_0  # quantized, so the llama q/k permutation is undone on rows of blocks
-    model = build_tiny(name, tmp_path / "hf")
+    model = build_tiny(name, tmp_path / "hf", **GGUF_OVERRIDES.get(name, {}))
     to_gguf(model.hf, tmp_path / "m.gguf", qtype)
     model.hf.save_pretrained(tmp_path / "ref")  # now holds exactly what the file encodes
     ckpt = resolve_checkpoint(tmp_path / "m.gguf")
