@@ -12,8 +12,8 @@ Each step writes the new keys/values through a flat slot mapping, then attends:
   straight from their blocks, once: the gather copy, the padded mask and SDPA's blocking for
   3-row queries cost more than the attention itself;
 * each prefill chunk is done on its own: with no cached prefix it attends to its fresh K/V with
-  a plain causal mask; after a cached prefix it gathers its blocks and uses a bool mask that is
-  full over the prefix and causal inside the chunk.
+  a plain causal mask; after a cached prefix it gathers its blocks and uses an additive mask
+  that is full over the prefix and causal inside the chunk.
 
 A sliding window of W tokens (transformers' rule: a query at position p sees keys at positions
 > p - W) narrows every path: decodes and cached-prefix chunks gather only the blocks from the
@@ -116,12 +116,14 @@ class AttentionBackend:
 
     def build(self, layout: BatchLayout) -> AttentionMetadataMap:
         longest = int((layout.num_computed + layout.q_lens).max())
+        # The kernel applies a window itself, so every window shares one native block table.
+        native_decodes = self._native_decodes(layout) if self.native else None
         built: dict[int | None, AttentionMetadata] = {}
         by_window: AttentionMetadataMap = {}
         for window in self.windows:
             applied = window if window is not None and window < longest else None
             if applied not in built:
-                built[applied] = self._build(layout, applied)
+                built[applied] = self._build(layout, applied, native_decodes)
             by_window[window] = built[applied]
         metas = list(built.values())
         num_tokens = layout.slot_mapping.shape[0]
@@ -156,36 +158,44 @@ class AttentionBackend:
                                         have if have >= per_thread else max(per_thread, 2 * have))
         return self._scratch
 
+    @staticmethod
+    def _native_decodes(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The decodes' block-table rows from block 0 and their context lengths (CPU)."""
+        nd = layout.num_decodes
+        if not nd:
+            return None
+        ctx = layout.num_computed[:nd] + 1
+        max_blocks = math.ceil(int(ctx.max()) / layout.block_size)
+        table = np.ascontiguousarray(layout.block_table[layout.slots[:nd], :max_blocks])
+        return torch.from_numpy(table), torch.from_numpy(ctx), max_blocks
+
     def _mask(self, allowed: np.ndarray) -> torch.Tensor:
         mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
         return torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
-    def _build(self, layout: BatchLayout, window: int | None) -> AttentionMetadata:
+    def _build(self, layout: BatchLayout, window: int | None,
+               native_decodes: tuple[torch.Tensor, torch.Tensor, int] | None
+               ) -> AttentionMetadata:
         bs, nd, dev = layout.block_size, layout.num_decodes, self.device
         meta = AttentionMetadata(slot_mapping=layout.slot_mapping, window=window, num_decodes=nd,
-                                 native=self.native and nd > 0)
-        if nd:
+                                 native=native_decodes is not None)
+        if native_decodes is not None:
+            meta.decode_block_ids, meta.decode_ctx_lens, meta.decode_max_blocks = native_decodes
+        elif nd:
             ctx = layout.num_computed[:nd] + 1
             rows = layout.slots[:nd]
-            if meta.native:
-                # The kernel applies the window itself, so every window shares one table.
-                max_blocks = math.ceil(int(ctx.max()) / bs)
-                meta.decode_block_ids = torch.from_numpy(
-                    np.ascontiguousarray(layout.block_table[rows, :max_blocks]))
-                meta.decode_ctx_lens = torch.from_numpy(ctx)
-            else:
-                lo = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
-                first = lo // bs
-                count = (ctx + bs - 1) // bs - first
-                max_blocks = int(count.max())
-                j = np.arange(max_blocks)
-                valid = j[None, :] < count[:, None]
-                cols = np.where(valid, first[:, None] + j[None, :], 0)
-                ids = np.where(valid, layout.block_table[rows[:, None], cols], 0)
-                pos = (first * bs)[:, None] + np.arange(max_blocks * bs)[None, :]
-                allowed = (pos >= lo[:, None]) & (pos < ctx[:, None])
-                meta.decode_block_ids = torch.from_numpy(ids.reshape(-1)).to(dev)
-                meta.decode_mask = self._mask(allowed).view(nd, 1, 1, -1)
+            lo = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
+            first = lo // bs
+            count = (ctx + bs - 1) // bs - first
+            max_blocks = int(count.max())
+            j = np.arange(max_blocks)
+            valid = j[None, :] < count[:, None]
+            cols = np.where(valid, first[:, None] + j[None, :], 0)
+            ids = np.where(valid, layout.block_table[rows[:, None], cols], 0)
+            pos = (first * bs)[:, None] + np.arange(max_blocks * bs)[None, :]
+            allowed = (pos >= lo[:, None]) & (pos < ctx[:, None])
+            meta.decode_block_ids = torch.from_numpy(ids.reshape(-1)).to(dev)
+            meta.decode_mask = self._mask(allowed).view(nd, 1, 1, -1)
             meta.decode_max_blocks = max_blocks
         ends = np.cumsum(layout.q_lens)
         for i in range(nd, len(layout.slots)):

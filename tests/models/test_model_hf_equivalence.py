@@ -202,3 +202,22 @@ def test_mistral_sliding_window_matches_hf(tmp_path: Path) -> None:
         for tok, entry, ref in zip(tokens, sched.requests[f"r{i}"].logprobs, logprobs,
                                    strict=True):
             assert math.isclose(entry[tok], ref[tok].item(), abs_tol=1e-4)
+
+
+def test_gemma3_final_logit_softcapping_matches_hf(tmp_path: Path) -> None:
+    """Gemma 2's tanh cap on the logits, which Gemma 3 configs may still set."""
+    model = build_tiny("gemma3", tmp_path / "gemma3_cap", seed=4, final_logit_softcapping=8.0)
+    runner = make_runner(model)
+    sched = ManualScheduler(block_size=4)
+    prompts = make_prompts()[2:5]
+    params = SamplingParams(temperature=0.0, logprobs=1, max_tokens=8)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, params, max_tokens=8)
+    sched.run(runner)
+    for i, prompt in enumerate(prompts):
+        tokens, logprobs = hf_greedy(model.hf, prompt, 8)
+        assert sched.requests[f"r{i}"].outputs == tokens
+        for tok, entry, ref in zip(tokens, sched.requests[f"r{i}"].logprobs, logprobs,
+                                   strict=True):
+            assert ref.max() - ref.min() < 16.001  # the cap keeps every logit within +-8
+            assert math.isclose(entry[tok], ref[tok].item(), abs_tol=1e-4)
