@@ -3,6 +3,7 @@
 
 Key names are llama.cpp's (`{arch}.embedding_length`, ...). Where the file is silent, the
 values are the ones llama.cpp and transformers assume for the architecture (each noted below).
+The result is cached with the file's index: changing it means bumping cache.CACHE_FORMAT.
 """
 
 from __future__ import annotations
@@ -27,10 +28,6 @@ GGUF_ARCHITECTURES = {
 # these as end-of-generation when it finds them): chat turn ends of the common templates.
 END_OF_TURN_TOKENS = frozenset({"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|eom_id|>",
                                 "<|end|>", "<|endoftext|>", "<EOT>"})
-# Gemma 3 (the file omits these): every 6th layer attends globally, the others within the
-# sliding window with their own RoPE base.
-GEMMA3_SLIDING_WINDOW_PATTERN = 6
-GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 _CONTROL = 3  # llama.cpp token type CONTROL
 
 
@@ -95,7 +92,7 @@ def derive_config(metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensorI
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     elif arch == "gemma3":
-        config.update(_gemma3(keys, config, head_dim))
+        config.update(_gemma3(keys))
     return config
 
 
@@ -119,21 +116,14 @@ def _rope_scaling(keys: _Keys, reader: GGUFReader, tensors: Mapping[str, GGUFTen
     return out
 
 
-def _gemma3(keys: _Keys, config: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """The fields of transformers' Gemma3TextConfig that the file omits (see the issue's
-    measured facts): the layer pattern, the local RoPE base, the attention scale."""
-    layers = config["num_hidden_layers"]
-    pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+def _gemma3(keys: _Keys) -> dict[str, Any]:
+    """Gemma 3: what the file states beyond the common keys. It omits the layer pattern, the
+    local RoPE base and the query scale: `ModelConfig` fills in transformers' defaults for a
+    Gemma 3 config that omits them (every 6th layer global, 10,000, 256), which are also
+    llama.cpp's for every released size but 27B."""
     return {
         "model_type": "gemma3_text",
         "sliding_window": keys.int("attention.sliding_window", 512),
-        "sliding_window_pattern": pattern,
-        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                        for i in range(layers)],
-        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
-        # llama.cpp scales attention by head_dim ** -0.5 for every size but 27B; for the
-        # released sizes but 27B that equals transformers' query_pre_attn_scalar (256).
-        "query_pre_attn_scalar": head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
         "final_logit_softcapping": keys.get("final_logit_softcapping"),
         "attn_logit_softcapping": keys.get("attn_logit_softcapping"),

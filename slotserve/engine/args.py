@@ -18,6 +18,13 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "default_model")
 # per-slot buffer huge on a CPU; this cap keeps the default practical.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# SLOTSERVE_NATIVE_ATTENTION=0 keeps decode attention on the torch path; read here only, when
+# the arguments are made, and carried as `native_attention` to the model from then on.
+NATIVE_ATTENTION_ENV = "SLOTSERVE_NATIVE_ATTENTION"
+
+
+def _native_attention_default() -> bool:
+    return os.environ.get(NATIVE_ATTENTION_ENV, "1") != "0"
 
 
 @dataclass(slots=True)
@@ -41,6 +48,8 @@ class EngineArgs:
     streaming_session_timeout_s: float = 600.0
     check: bool = False
     seed: int | None = None
+    # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
+    native_attention: bool = dataclasses.field(default_factory=_native_attention_default)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

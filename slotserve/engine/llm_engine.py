@@ -44,7 +44,8 @@ def _build_model_runner(args: EngineArgs, path: str, scheduler_config: Any,
 
     device = None if args.device in (None, "auto") else args.device
     return ModelRunner(path, scheduler_config, cache_config, dtype=args.dtype, device=device,
-                       kv_cache_memory=args.kv_cache_memory, seed=args.seed)
+                       kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                       native_attention=args.native_attention)
 
 
 class LLMEngine:

@@ -13,25 +13,16 @@ import logging
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from slotserve.checkpoint import resolve_checkpoint
 from slotserve.checkpoint.dequant import materialize
 from slotserve.errors import ModelLoadError
 from slotserve.models.config import ModelConfig
-from slotserve.models.llama import LlamaForCausalLM
+from slotserve.models.layers import DecoderForCausalLM
+from slotserve.models.registry import model_class
 from slotserve.models.weight_utils import checkpoint_names
 
 logger = logging.getLogger(__name__)
-
-# Hugging Face architecture -> the class that runs it.
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
-
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if dtype is None or dtype == "auto":
@@ -48,17 +39,16 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, max_positions: int | None = None,
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+               ) -> tuple[DecoderForCausalLM, ModelConfig]:
     ckpt = resolve_checkpoint(path)
     cfg = ckpt.config
-    model_cls = MODEL_CLASSES.get(cfg.architecture)
-    if model_cls is None:
-        raise ModelLoadError(f"{ckpt.path}: no model class for {cfg.architecture}")
+    model_cls = model_class(cfg.architecture)
     torch_dtype = parse_dtype(dtype)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
         model = model_cls(cfg)
-    model = model.to(dtype=torch_dtype).to_empty(device=dev)
+    model.to_dtype(torch_dtype)
+    model = model.to_empty(device=dev)
     names = [ckpt_name for parts in checkpoint_names(model).values() for ckpt_name, _ in parts]
     weights = ((name, materialize(t, torch_dtype)) for name, t in ckpt.reader.weights(names))
     model.load_weights(weights, source=ckpt.reader.source)
@@ -69,4 +59,4 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                 cfg.architecture, ckpt.path, ckpt.format, cfg.num_hidden_layers,
                 cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, torch_dtype,
                 dev)
-    return model, cfg  # type: ignore[return-value]
+    return model, cfg

@@ -88,10 +88,14 @@ def checkpoint_names(model: LoadableModel) -> dict[str, list[tuple[str, str | in
     return out
 
 
-def load_packed_weights(model: LoadableModel, weights: NamedTensors, *, source: str,
-                        skip: Callable[[str], bool] = lambda name: False) -> None:
-    """Load every parameter of `model` from `weights`; a ModelLoadError names what is missing
-    or misshapen. Checkpoint tensors the model has no parameter for are ignored."""
+def load_packed_weights(
+    model: LoadableModel, weights: NamedTensors, *, source: str,
+    skip: Callable[[str], bool] = lambda name: False,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor,
+) -> None:
+    """Load every parameter of `model` from `weights`; `transform(name, tensor)` turns a
+    checkpoint tensor into what the parameter holds (Gemma: 1 + w). A ModelLoadError names
+    what is missing or misshapen; tensors the model has no parameter for are ignored."""
     params = dict(model.named_parameters())
     expected = checkpoint_names(model)
     pending = {name: {shard for _, shard in parts} for name, parts in expected.items()}
@@ -103,6 +107,7 @@ def load_packed_weights(model: LoadableModel, weights: NamedTensors, *, source: 
         if param is None:
             logger.debug("ignoring unexpected tensor %s in %s", ckpt_name, source)
             continue
+        tensor = transform(ckpt_name, tensor)
         try:
             if shard_id is None:
                 default_weight_loader(param, tensor, ckpt_name)

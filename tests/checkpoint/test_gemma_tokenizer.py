@@ -11,8 +11,6 @@ from typing import Any
 import pytest
 
 from slotserve.checkpoint import load_tokenizer, resolve_checkpoint
-from slotserve.checkpoint.gguf_config import derive_config
-from slotserve.checkpoint.gguf_file import open_gguf
 from slotserve.engine.processor import apply_chat_template
 from tests.checkpoint.gemma_file import gemma_path
 
@@ -51,15 +49,18 @@ def test_prompt_ids_equal_transformers(gemma: Path, reference: Any) -> None:
 
 
 def test_metadata_config(gemma: Path) -> None:
-    cfg = open_gguf(gemma, derive_config).config
-    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["model_type"] == "gemma3_text"
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["head_dim"]) == (640, 18, 4, 1, 256)
-    assert cfg["vocab_size"] == 262144 and cfg["tie_word_embeddings"]
-    assert cfg["sliding_window"] == 512 and cfg["rope_theta"] == 1_000_000.0
-    assert cfg["rope_local_base_freq"] == 10_000.0 and cfg["query_pre_attn_scalar"] == 256
-    assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
-    assert cfg["eos_token_id"] == [1, 106]  # <eos> and <end_of_turn>
+    cfg = resolve_checkpoint(gemma).config
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.model_type == "gemma3_text"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim) == (640, 18, 4, 1, 256)
+    assert cfg.vocab_size == 262144 and cfg.tie_word_embeddings
+    assert cfg.rope.theta == 1_000_000.0
+    assert cfg.rope_local is not None and cfg.rope_local.theta == 10_000.0
+    assert cfg.query_pre_attn_scalar == 256 and cfg.hidden_act == "gelu_pytorch_tanh"
+    windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
+    assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17]
+    assert set(windows) == {None, 512}
+    assert cfg.eos_token_id == [1, 106]  # <eos> and <end_of_turn>
 
 
 def test_chat_falls_back_to_gemma_turns(gemma: Path, reference: Any,
@@ -81,12 +82,3 @@ def test_chat_falls_back_to_gemma_turns(gemma: Path, reference: Any,
                                                           add_special_tokens=False)
     assert prompt["prompt_token_ids"].count(2) == 1
     assert prompt["prompt_token_ids"].count(106) == 3  # <end_of_turn>
-
-
-def test_checkpoint_config_when_gemma3_is_supported(gemma: Path) -> None:
-    from slotserve.models.config import SUPPORTED_ARCHITECTURES
-
-    if "Gemma3ForCausalLM" not in SUPPORTED_ARCHITECTURES:
-        pytest.skip("Gemma 3 model support is not merged yet")
-    cfg = resolve_checkpoint(gemma).config
-    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.eos_token_id == [1, 106]

@@ -23,10 +23,11 @@ from tests.models.test_model_hf_equivalence import hf_greedy
 NEW_TOKENS = 16
 PROMPTS = [[5, 9, 20, 7], list(range(10, 41)), [100, 3, 3, 250, 17, 60, 61]]
 # Every type slotserve loads; the k-quants need rows of 256 values.
-# A GGUF file carries no layer pattern or attention scale for Gemma 3: llama.cpp assumes every
-# 6th layer global and head_dim ** -0.5, so the tiny Gemma written to GGUF takes those.
+# A GGUF file carries no layer pattern or attention scale for Gemma 3: transformers assumes
+# every 6th layer global and query_pre_attn_scalar 256, so the tiny Gemma written to GGUF
+# takes those.
 GGUF_OVERRIDES: dict[str, dict[str, object]] = {"gemma3": dict(
-    num_hidden_layers=6, query_pre_attn_scalar=32,
+    num_hidden_layers=6, query_pre_attn_scalar=256,
     layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K,
          Q.Q5_K, Q.Q6_K]
