@@ -28,7 +28,7 @@ def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         blocks = torch.from_numpy(np.ascontiguousarray(data)).view(-1, 34)
     scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    return (blocks[:, 2:].contiguous().view(torch.int8).float() * scale).view(shape)
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(scale).view(shape)
 
 
 def materialize(tensor: CheckpointTensor, dtype: torch.dtype) -> torch.Tensor:

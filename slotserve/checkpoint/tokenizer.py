@@ -23,7 +23,8 @@ from slotserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-_NOTES = "slotserve.json"  # what slotserve decided when it built the cached tokenizer
+_TOKENIZER = "tokenizer.json"
+_NOTES = "slotserve.json"  # special tokens and chat template; what slotserve decided
 
 
 def load_tokenizer(path: str | Path) -> Any:
@@ -52,23 +53,33 @@ def _load_folder_tokenizer(folder: Path) -> Any:
 
 
 def load_gguf_tokenizer(path: Path) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
     try:
         key = cache.file_key(path)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {str(path)!r}: {exc}") from exc
     folder = cache.get_or_build(cache.entry_dir("gguf", key) / "tokenizer",
                                 lambda out: _build_gguf_tokenizer(path, out))
-    notes = cache.read_json(folder / _NOTES)
-    if notes.get("chat_template_fallback"):
-        logger.warning("%s has no chat template; using the %s turn format for chat", path,
-                       notes["chat_template_fallback"])
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        notes = cache.read_json(folder / _NOTES)
+        if notes.get("chat_template_fallback"):
+            logger.warning("%s has no chat template; using the %s turn format for chat", path,
+                           notes["chat_template_fallback"])
+        return _load_saved(folder / _TOKENIZER, notes)
     except Exception as exc:
         raise ModelLoadError(f"could not load the cached tokenizer of {str(path)!r} from "
                              f"{str(folder)!r}: {exc}") from exc
+
+
+def _load_saved(tokenizer_file: Path, notes: dict[str, Any]) -> Any:
+    """The saved backend tokenizer (its post-processor adds BOS, its added tokens know which
+    are special) with the special tokens and chat template noted beside it: 0.6 s for Gemma's
+    vocabulary, against 1.5 s for `from_pretrained` of a saved folder."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file),
+                                  **notes["special_tokens"])
+    tok.chat_template = notes["chat_template"]
+    return tok
 
 
 def _build_gguf_tokenizer(path: Path, out: Path) -> None:
@@ -88,10 +99,12 @@ def _build_gguf_tokenizer(path: Path, out: Path) -> None:
     except Exception as exc:  # transformers raises many types for metadata it cannot use
         raise ModelLoadError(f"could not build a tokenizer from the metadata of "
                              f"{str(path)!r}: {exc}") from exc
-    notes: dict[str, Any] = {"chat_template_fallback": None}
+    notes: dict[str, Any] = {"chat_template_fallback": None, "chat_template": tok.chat_template}
     if not tok.chat_template:
         fallback = fallback_chat_template(file.architecture, tok.get_vocab())
         if fallback is not None:
-            notes["chat_template_fallback"], tok.chat_template = fallback
-    tok.save_pretrained(str(out))
+            notes["chat_template_fallback"], notes["chat_template"] = fallback
+    notes["special_tokens"] = {name: str(value) for name, value in
+                               tok.special_tokens_map.items() if isinstance(value, str)}
+    tok.backend_tokenizer.save(str(out / _TOKENIZER))
     cache.write_json(out / _NOTES, notes)
