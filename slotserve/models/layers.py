@@ -27,7 +27,7 @@ from slotserve.models.attention import (
     paged_attention,
 )
 from slotserve.models.config import ModelConfig, RopeConfig
-from slotserve.models.weight_utils import ShardedLinear, load_packed_weights
+from slotserve.models.weight_utils import PackedMapping, ShardedLinear, load_packed_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 KVCaches = list[KVCache]
@@ -192,7 +192,7 @@ class DecoderForCausalLM(nn.Module):
 
     norm_cls: type[RMSNorm] = RMSNorm
     # checkpoint module -> (our fused module, shard id)
-    packed_modules_mapping = {
+    packed_modules_mapping: PackedMapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
