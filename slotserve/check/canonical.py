@@ -1,4 +1,5 @@
-"""A canonical key for a Harness state: equal keys mean the same future behaviour.
+"""A canonical key for a Harness state: equal keys mean the same future behaviour, up to
+renaming.
 
 The key covers everything that a later event can observe or that a check compares:
 the scheduler's queues (order where order matters), each request's tokens, cursor, params,
@@ -21,9 +22,11 @@ renamings and abstractions merge states that differ only in names:
   every future comparison.
 
 Left out because no control flow reads them: counters (preemptions, prefix-cache stats, the
-checker's step count), num_cached_tokens and stop_reason (reported, never read back), the
-worker's slot indices (only the set of holders decides whether a claim fails), hash values of
-other blocks' contents beyond the interned block hashes themselves.
+checker's step count), num_cached_tokens, stop_reason and ignored_reason (reported, never
+read back), sampling fields the scheduler never reads (constant in the vocabulary anyway),
+and the worker's slot indices (only the set of holders decides whether a claim fails). Block
+hashes are content hashes, kept as small interned numbers. The key is a 128-bit digest of the
+form: a collision among a million states has a probability near 1e-27.
 """
 
 from __future__ import annotations

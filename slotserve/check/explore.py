@@ -49,6 +49,8 @@ class ExploreConfig:
     max_model_len: int = 16
     policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     session_timeout_s: float = 10.0
     depth: int = 8
     drain_steps: int = 40
@@ -61,8 +63,10 @@ class ExploreConfig:
                             max_model_len=self.max_model_len,
                             policy=self.policy,  # type: ignore[arg-type]
                             long_prefill_token_threshold=self.long_prefill_token_threshold,
+                            enable_chunked_prefill=self.enable_chunked_prefill,
                             streaming_session_timeout_s=self.session_timeout_s),
-            CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks))
+            CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                        enable_prefix_caching=self.enable_prefix_caching))
 
 
 @dataclass(slots=True)
@@ -336,6 +340,9 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
     p.add_argument("--max-num-batched-tokens", type=int, default=6)
     p.add_argument("--max-model-len", type=int, default=16)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="needs --max-num-batched-tokens >= --max-model-len")
+    p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--depth", type=int, default=8, help="events from the empty engine "
                    "(a schedule() and the model's answer to it are two events)")
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
@@ -372,7 +379,8 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
                         block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
                         max_model_len=a.max_model_len, policy=a.policy,
                         long_prefill_token_threshold=a.long_prefill_token_threshold,
-                        depth=a.depth, drain_steps=a.drain_steps, menu=menu)
+                        enable_chunked_prefill=not a.no_chunked_prefill,
+                        enable_prefix_caching=not a.no_prefix_caching, depth=a.depth, drain_steps=a.drain_steps, menu=menu)
     return cfg, a
 
 
