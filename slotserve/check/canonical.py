@@ -41,7 +41,7 @@ from slotserve.check.events import idle_thresholds
 from slotserve.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from slotserve.check.events import Harness
+    from slotserve.check.harness import Harness
     from slotserve.core.request import StreamingUpdate
     from slotserve.sampling_params import SamplingParams
 

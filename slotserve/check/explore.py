@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from slotserve.check.canonical import canonical_key
 from slotserve.check.clock import logical_time
-from slotserve.check.events import Event, Harness, Menu, Wedge, enabled_events
+from slotserve.check.events import Event, Menu, enabled_events
+from slotserve.check.harness import Harness, Wedge
 from slotserve.check.trace import TraceRecorder
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.scheduler import Scheduler

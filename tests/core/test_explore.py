@@ -21,13 +21,13 @@ from slotserve.check.events import (
     TOKEN,
     Abort,
     Arrive,
-    Harness,
     Menu,
     Schedule,
     Tick,
     Update,
 )
 from slotserve.check.explore import REQUIRED_EFFECTS, ExploreConfig, explore, main, write_trace
+from slotserve.check.harness import Harness
 from slotserve.check.trace import replay
 from slotserve.core.scheduler import Scheduler
 from slotserve.errors import InvariantViolation

@@ -27,12 +27,12 @@ from slotserve.check.events import (
     Chunk,
     EndSession,
     FailStep,
-    Harness,
     Reset,
     Schedule,
     Tick,
     Update,
 )
+from slotserve.check.harness import Harness
 from tests.core.helpers import make_scheduler
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
