@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from slotserve.check.checker import InvariantChecker
 from slotserve.check.clock import CLOCK
-from slotserve.check.events import EndSession, Schedule, Update
+from slotserve.check.events import PREEMPTED, RUNNING, EndSession, Schedule, Update
 from slotserve.check.trace import TraceRecorder
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 # Clock drift per event: far below the 1 s expiry-check interval over any depth we explore.
 EPS = 1e-6
 
-RUNNING = RequestStatus.RUNNING
-PREEMPTED = RequestStatus.PREEMPTED
 PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
 
 
