@@ -8,17 +8,21 @@ server replays offline, with the invariant checker on, down to the step that bro
     SLOTSERVE_TRACE=/tmp/trace.jsonl slotserve serve ...      # record
     python -m slotserve.check.trace /tmp/trace.jsonl           # replay with the checker
 
-Idle-session timeouts depend on the wall clock and are not replayed.
+Idle-session timeouts depend on the wall clock and are not replayed, except in traces that
+carry `clock` records (written by the checks' logical clock, slotserve.check.clock): those
+replay with session time set by each record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 from typing import IO, Any
 
 from slotserve.check.checker import InvariantChecker
+from slotserve.check.clock import logical_time
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -56,10 +60,15 @@ class TraceRecorder:
     def reset_prefix_cache(self, reset_running_requests: bool) -> None:
         self._write({"event": "reset", "reset_running_requests": reset_running_requests})
 
-    def schedule(self, out: SchedulerOutput) -> None:
+    def schedule(self, out: SchedulerOutput | None) -> None:
+        """Record a schedule() call; None when it raised (the replay raises there too)."""
         self._num_schedules += 1
-        self._step_of[id(out)] = self._num_schedules
+        if out is not None:
+            self._step_of[id(out)] = self._num_schedules
         self._write({"event": "schedule", "step": self._num_schedules})
+
+    def clock(self, now: float) -> None:
+        self._write({"event": "clock", "now": now})
 
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         self._write({"event": "update", "step": self._step_of.pop(id(out)),
@@ -75,10 +84,17 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
     checker: InvariantChecker | None = None
     outputs: dict[int, SchedulerOutput] = {}
     ordered: list[SchedulerOutput] = []
-    with open(path) as f:
+    with open(path) as f, contextlib.ExitStack() as stack:
+        clock = None
         for line in f:
             e = json.loads(line)
             kind = e["event"]
+            if kind == "clock":
+                # The first clock record puts session time on the trace's logical clock.
+                if clock is None:
+                    clock = stack.enter_context(logical_time())
+                clock.now = e["now"]
+                continue
             if kind == "config":
                 scheduler = Scheduler(SchedulerConfig(**e["scheduler"]), CacheConfig(**e["cache"]))
                 checker = InvariantChecker(scheduler) if check else None
