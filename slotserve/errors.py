@@ -19,6 +19,10 @@ class RequestValidationError(SlotServeError, ValueError):
         self.param = param
 
 
+class ConfigError(SlotServeError, ValueError):
+    """The engine's settings are inconsistent or do not fit the model or the memory."""
+
+
 class SlotOverflowError(AssertionError):
     """The worker slot table was asked for a slot while full.
 

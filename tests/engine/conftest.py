@@ -14,6 +14,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from slotserve.engine.args import EngineArgs  # noqa: E402
+from slotserve.engine.core import EngineCore  # noqa: E402
+from slotserve.engine.core_client import InprocClient  # noqa: E402
 from slotserve.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.engine.fake_runner import FakeModelRunner  # noqa: E402
 from tests.models.conftest import randomize
@@ -80,9 +82,10 @@ def fake_engine(tokenizer: Any) -> FakeEngineFactory:
         args = EngineArgs.from_kwargs(model="fake", num_blocks=num_blocks, **kwargs)
         vocab = len(tokenizer)
         config = SimpleNamespace(max_position_embeddings=max_position_embeddings,
-                                 vocab_size=vocab, eos_token_id=EOS)
-        runner = FakeModelRunner(args.max_num_seqs, num_blocks, vocab, fail_on_step)
-        return LLMEngine(args, model_config=config, tokenizer=tokenizer, model_runner=runner)
+                                 vocab_size=vocab, eos_token_id=[EOS])
+        runner = FakeModelRunner(args.max_num_seqs, vocab, fail_on_step)
+        core = EngineCore(args.create_engine_config(max_position_embeddings, num_blocks), runner)
+        return LLMEngine(InprocClient(core), tokenizer, config)  # type: ignore[arg-type]
 
     return make
 

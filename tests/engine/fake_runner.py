@@ -24,10 +24,9 @@ def fake_next_token(context: list[int], vocab_size: int, eos: int | None) -> int
 
 
 class FakeModelRunner:
-    def __init__(self, max_num_seqs: int, num_blocks: int, vocab_size: int,
+    def __init__(self, max_num_seqs: int, vocab_size: int,
                  fail_on_step: int | None = None) -> None:
         self.slots = RequestSlots(max_num_seqs)
-        self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}

@@ -61,7 +61,7 @@ def tokens(outs: list[RequestOutput]) -> list[list[int]]:
 
 
 def assert_idle(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     assert not core.scheduler.requests and len(core.model_runner.slots) == 0
     assert pool.get_num_free_blocks() == pool.num_usable_blocks

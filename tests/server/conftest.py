@@ -102,7 +102,9 @@ class Served:
         return self.loop.run(self.engine.call_in_engine(fn))
 
     def engine_state(self) -> dict[str, Any]:
-        return self.call_in_engine(engine_state)
+        state = self.call_in_engine(core_state)
+        state.update(self.loop.run(front_state(self.engine)))
+        return state
 
     def wait_drained(self, timeout: float = 20.0) -> dict[str, Any]:
         """Poll until no request, block or slot is held; returns the last state seen."""
@@ -114,8 +116,8 @@ class Served:
         return state
 
 
-def engine_state(engine: Any) -> dict[str, Any]:
-    core = engine.engine_core
+def core_state(core: Any) -> dict[str, Any]:
+    """What the engine core holds (run in the core: module-level, so it pickles)."""
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
     return {
@@ -123,14 +125,21 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "used_blocks": pool.num_usable_blocks - pool.get_num_free_blocks(),
         "worker_slots": sorted(core.model_runner.slots.holders),
         "ledger": sorted(sched.slot_ledger.holders),
-        "groups": sorted(engine.output_processor.groups),
-        "unfinished": engine.has_unfinished_requests(),
+        "core_busy": core.has_requests(),
     }
 
 
+async def front_state(engine: AsyncLLM) -> dict[str, Any]:
+    """What the front holds (read on its event loop)."""
+    front = engine.engine
+    return {"groups": sorted(front.output_processor.groups),
+            "front_busy": front.has_unfinished_requests()}
+
+
 def is_drained(state: dict[str, Any]) -> bool:
+    unfinished = state["core_busy"] or state["front_busy"]
     return (not state["requests"] and state["used_blocks"] == 0 and not state["worker_slots"]
-            and not state["ledger"] and not state["groups"] and not state["unfinished"])
+            and not state["ledger"] and not state["groups"] and not unfinished)
 
 
 @pytest.fixture(scope="session")
