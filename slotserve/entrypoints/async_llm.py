@@ -370,7 +370,7 @@ class AsyncLLM:
         stream = self._streams.get(out.request_id)
         if out.finished:
             if self.metrics is not None:
-                _record_finished(self.metrics, out)
+                self.metrics.record_finished(out)
             if stream is not None:
                 del self._streams[out.request_id]
             failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
@@ -385,18 +385,6 @@ class AsyncLLM:
                     return
         if stream is not None:
             stream.put(out)
-
-
-def _record_finished(metrics: ServerMetrics, out: RequestOutput) -> None:
-    m = out.metrics
-    reason = out.outputs[0].finish_reason if out.outputs else None
-    metrics.observe_finished(m, reason)
-    if m is None:
-        return
-    metrics.observe_first_token(m.arrival_time, m.first_token_time)
-    times = m.token_times
-    for a, b in itertools.pairwise(times):
-        metrics.observe_itl(b - a)
 
 
 __all__ = ["AsyncLLM", "RequestFailedError", "RequestOutputKind", "StreamingInput",
