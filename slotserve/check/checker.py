@@ -130,9 +130,9 @@ class InvariantChecker:
         if sched.slot_ledger.holders != tables.keys():
             _fail("ledger", f"ledger {sorted(sched.slot_ledger.holders)} != worker model "
                   f"{sorted(tables)}")
-        for rid in sched.running:
-            if rid.request_id not in tables:
-                _fail("running holds slot", f"running request {rid.request_id!r} has no slot")
+        for r in sched.running:
+            if r.request_id not in tables:
+                _fail("running holds slot", f"running request {r.request_id!r} has no slot")
         if self.num_steps % self.full_block_scan_every == 0:
             self.check_blocks()
 

@@ -7,6 +7,8 @@ the eviction order, least recently freed first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
@@ -63,7 +65,7 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self):  # noqa: ANN204 - a plain generator
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free
         while b is not None and b is not self._tail:
             yield b

@@ -401,9 +401,9 @@ class Scheduler(StreamingSessionsMixin):
                     stopped = True
                     break
             new_tokens = generated if n_new == len(generated) else generated[:n_new]
-            lp = None
-            if logprobs is not None and logprobs[i] is not None:
-                lp = logprobs[i][:n_new]
+            lp = logprobs[i] if logprobs is not None else None
+            if lp is not None:
+                lp = lp[:n_new]
             if not stopped:
                 outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, lp,
                                                 r.num_cached_tokens))

@@ -23,7 +23,7 @@ PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
 
 
 class StreamingSessionsMixin:
-    def _add_session_chunk(self: Scheduler, session: Request, request: Request) -> None:
+    def _add_session_chunk(self: Scheduler, session: Request, request: Request) -> None:  # type: ignore[misc]
         if session.streaming_queue is None:
             raise RequestValidationError(
                 f"duplicate request id {request.request_id!r} (not a streaming session)",
@@ -36,7 +36,7 @@ class StreamingSessionsMixin:
         else:
             self._promote_session(session, update)
 
-    def _end_paused_session(self: Scheduler, session: Request, status: RequestStatus,
+    def _end_paused_session(self: Scheduler, session: Request, status: RequestStatus,  # type: ignore[misc]
                             message: str | None) -> None:
         del self.paused[session.request_id]
         session.status = status
@@ -45,7 +45,7 @@ class StreamingSessionsMixin:
             session.request_id, [], session.get_finished_reason(), finished=True,
             finish_message=message))
 
-    def _promote_session(self: Scheduler, session: Request, update: StreamingUpdate) -> None:
+    def _promote_session(self: Scheduler, session: Request, update: StreamingUpdate) -> None:  # type: ignore[misc]
         """Apply the next chunk to a paused session and queue it; it keeps KV and slot."""
         del self.paused[session.request_id]
         fold_session_chunk(session, update)
@@ -61,7 +61,7 @@ class StreamingSessionsMixin:
         self.waiting.add_resumed_request(
             session, lambda r: r.status == RequestStatus.WAITING and holds(r.request_id))
 
-    def _handle_stopped_request(self: Scheduler, request: Request) -> bool:
+    def _handle_stopped_request(self: Scheduler, request: Request) -> bool:  # type: ignore[misc]
         """A stopped request: True if it is finished, False if a session paused (or resumed)."""
         if not request.resumable:
             return True
@@ -79,9 +79,9 @@ class StreamingSessionsMixin:
             self._promote_session(request, update)
         return False
 
-    def _expire_sessions(self: Scheduler) -> None:
+    def _expire_sessions(self: Scheduler) -> None:  # type: ignore[misc]
         now = time.monotonic()
-        if now < self._next_timeout_check:
+        if now < self._next_timeout_check:  # type: ignore[has-type]
             return
         self._next_timeout_check = now + 1.0
         timeout = self.scheduler_config.streaming_session_timeout_s

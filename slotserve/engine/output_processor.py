@@ -180,7 +180,7 @@ class OutputProcessor:
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget the given caller requests; returns the core request ids to abort."""
-        core_ids = []
+        core_ids: list[str] = []
         for rid in request_ids:
             group = self.groups.get(rid)
             if group is None:
@@ -234,9 +234,9 @@ class OutputProcessor:
         for group in changed.values():
             done = group.num_unfinished == 0
             boundary = not done and group.resumable and group.seqs[0].finish_reason is not None
-            out = self._make_output(group, done, force=boundary)
-            if out is not None:
-                request_outputs.append(out)
+            request_output = self._make_output(group, done, force=boundary)
+            if request_output is not None:
+                request_outputs.append(request_output)
             if done:
                 self._remove(group)
             elif boundary:

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -177,6 +177,9 @@ class AsyncLLM:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
+
     def process_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                         request_id: str | None = None, *, priority: int = 0) -> ProcessedRequest:
         """Validate and tokenize a request (raises RequestValidationError, touches nothing)."""
@@ -215,7 +218,7 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream delta RequestOutputs of one request, or of a streaming-input session when
         `prompt` is an async iterable of StreamingInput chunks. A `prompt` already checked
         by `process_request` is submitted as it is.

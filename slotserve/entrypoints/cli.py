@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 from slotserve.entrypoints import bench_serve
 
@@ -55,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"torch CPU threads (default: {default_num_threads()})")
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, object]:
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
@@ -86,7 +87,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     threads = set_threads(args.threads)
     from slotserve.engine.llm_engine import LLMEngine
-    from slotserve.engine.processor import apply_chat_template
+    from slotserve.engine.processor import PromptType, apply_chat_template
     from slotserve.outputs import RequestOutputKind
     from slotserve.sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = LLMEngine.from_engine_args(engine_args)
-        prompt: object = args.prompt
+        prompt: PromptType = args.prompt
         if args.chat:
             prompt = apply_chat_template(engine.tokenizer,
                                          [{"role": "user", "content": args.prompt}])

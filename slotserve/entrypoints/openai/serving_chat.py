@@ -29,6 +29,7 @@ from slotserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
+    Outputs,
     merge_generators,
     sse,
     stream_error,
@@ -100,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _collect(self, req: ChatCompletionRequest, processed: ProcessedRequest,
                        request_id: str, created: int, model: str,
-                       outputs: AsyncIterator[tuple[int, RequestOutput]]
+                       outputs: Outputs
                        ) -> ChatCompletionResponse:
         states = [ChoiceState() for _ in range(req.n)]
         cached = 0
@@ -122,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _frames(self, req: ChatCompletionRequest, processed: ProcessedRequest,
                       request_id: str, created: int, model: str,
                       first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      rest: Outputs) -> AsyncIterator[str]:
         states = [ChoiceState() for _ in range(req.n)]
         num_prompt = len(processed.prompt_token_ids)
         opts = req.stream_options
@@ -176,5 +177,5 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
             tail = stream_error(exc)
         finally:
-            await rest.aclose()  # type: ignore[attr-defined]
+            await rest.aclose()
         yield tail + SSE_DONE

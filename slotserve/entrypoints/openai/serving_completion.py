@@ -22,6 +22,7 @@ from slotserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
+    Outputs,
     check_prompt_count,
     merge_generators,
     sse,
@@ -75,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _collect(self, req: CompletionRequest, processed: list[ProcessedRequest],
                        request_id: str, created: int, model: str,
-                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+                       outputs: Outputs) -> CompletionResponse:
         n = req.n
         states = [ChoiceState() for _ in range(len(processed) * n)]
         cached = [0] * len(processed)
@@ -88,7 +89,7 @@ class OpenAIServingCompletion(OpenAIServing):
             p = processed[k // n]
             prefix = ""
             if req.echo:
-                prefix = p.prompt if p.prompt is not None else self.engine.tokenizer.decode(
+                prefix = p.prompt if p.prompt is not None else self.engine.detokenize(
                     p.prompt_token_ids)
             logprobs = None
             if req.logprobs is not None:
@@ -104,7 +105,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _frames(self, req: CompletionRequest, processed: list[ProcessedRequest],
                       request_id: str, created: int, model: str,
                       first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      rest: Outputs) -> AsyncIterator[str]:
         n = req.n
         states = [ChoiceState() for _ in range(len(processed) * n)]
         cached = [0] * len(processed)
@@ -126,7 +127,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     echoed.add(k)
                     p = processed[i]
                     text = (p.prompt if p.prompt is not None else
-                            self.engine.tokenizer.decode(p.prompt_token_ids)) + text
+                            self.engine.detokenize(p.prompt_token_ids)) + text
                 finish = None
                 if st.finish_reason is not None and not st.finish_sent:
                     st.finish_sent = True
@@ -166,5 +167,5 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
             tail = stream_error(exc)
         finally:
-            await rest.aclose()  # type: ignore[attr-defined]
+            await rest.aclose()
         yield tail + SSE_DONE
