@@ -40,4 +40,4 @@ class ModelLoadError(SlotServeError):
 
 
 class EngineDeadError(SlotServeError):
-    """The engine loop failed and cannot continue."""
+    """The engine core failed, or its process died, and cannot continue."""

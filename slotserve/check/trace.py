@@ -46,7 +46,7 @@ class TraceRecorder:
 
     def add_request(self, r: Request) -> None:
         self._write({"event": "add", "id": r.request_id, "prompt": r.prompt_token_ids,
-                     "params": _params_dict(r.sampling_params), "eos": r._eos_token_id,
+                     "params": _params_dict(r.sampling_params), "eos": r.eos_token_id,
                      "priority": r.priority, "arrival_time": r.arrival_time,
                      "resumable": r.resumable, "cache_salt": r.cache_salt})
 

@@ -73,10 +73,9 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 2, "need the null block and at least one usable block"
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
@@ -92,10 +91,6 @@ class BlockPool:
 
     def get_usage(self) -> float:
         return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
-
-    @property
-    def usage(self) -> float:
-        return self.get_usage()
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)

@@ -33,7 +33,6 @@ def cdiv(a: int, b: int) -> int:
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found cached
-    requests: int = 0
 
 
 class KVCacheManager:
@@ -42,7 +41,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered in the hash map.
         self.num_cached_block: dict[str, int] = {}
@@ -80,7 +79,6 @@ class KVCacheManager:
                 break
             hit.append(b)
         stats = self.prefix_cache_stats
-        stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size

@@ -44,15 +44,12 @@ def fold_session_chunk(request: Request, update: StreamingUpdate) -> None:
     tokens.extend(update.prompt_token_ids)
     request._output_token_ids = []
     request.prompt_token_ids = list(tokens)
-    request.num_prompt_tokens = len(tokens)
     # Computed KV beyond the kept tokens is stale; a zero-token continuation recomputes the
     # last kept token so that the step has something to sample from.
     request.num_computed_tokens = min(request.num_computed_tokens, len(tokens) - 1)
     request.sampling_params = update.sampling_params
     request.max_tokens = update.sampling_params.max_tokens
-    if update.eos_token_id is not None:
-        request._eos_token_id = update.eos_token_id
-    request.eos_token_id = None if update.sampling_params.ignore_eos else request._eos_token_id
+    request.eos_token_id = update.eos_token_id
     request.arrival_time = update.arrival_time
     request.priority = update.priority
     request.stop_reason = None

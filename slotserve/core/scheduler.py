@@ -109,7 +109,6 @@ class Scheduler(StreamingSessionsMixin):
 
     def _ignore(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED_IGNORED
-        request.ignored_reason = reason
         self._pending_outputs.append(EngineCoreOutput(
             request.request_id, [], "length", finished=True, finish_message=reason))
 

@@ -43,8 +43,7 @@ def make_request(req_id: str, prompt: list[int] | int, max_tokens: int = 16, *,
 
 def runner_output(ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids=list(ids), req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                             pooler_output=[])
+                             sampled_token_ids=sampled)
 
 
 def sample_for(sched: Scheduler, out: SchedulerOutput, token: int | dict[str, int] = 42

@@ -32,7 +32,6 @@ class ManualRequest:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     needs_new: bool = True  # next schedule sends it as NewRequestData
-    num_outputs_at_admission: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -82,7 +81,6 @@ class ManualScheduler:
             n = remaining if chunk is None else min(chunk, remaining)
             new_blocks = self._allocate(req, req.num_computed + n)
             if req.needs_new:
-                req.num_outputs_at_admission = len(req.outputs)
                 new_reqs.append(NewRequestData(
                     req_id=req.req_id, prompt_token_ids=list(req.prompt),
                     prefill_token_ids=list(req.tokens), block_ids=list(req.blocks),
