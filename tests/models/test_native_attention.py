@@ -31,7 +31,7 @@ from slotserve.models.native_attention import (
 )
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
-from tests.models.conftest import VOCAB, TinyModel
+from tests.helpers import VOCAB, TinyModel
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ from slotserve.check.trace import TraceRecorder, replay
 from slotserve.core.outputs import ModelRunnerOutput
 from slotserve.core.request import Request, RequestStatus
 from slotserve.sampling_params import SamplingParams
-from tests.core.helpers import make_scheduler
+from tests.helpers import make_scheduler
 
 
 def test_trace_replays_the_same_steps(tmp_path: Path) -> None:

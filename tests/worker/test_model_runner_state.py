@@ -14,8 +14,7 @@ from slotserve.models.config import ModelConfig
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.kv_cache import block_bytes, determine_num_blocks
 from slotserve.worker.model_runner import ModelRunner
-from tests.models.conftest import TinyModel
-from tests.models.manual_scheduler import ManualScheduler
+from tests.helpers import ManualScheduler, TinyModel
 
 
 def runner_for(model: TinyModel, max_num_seqs: int = 4, num_blocks: int | None = 64,

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
+from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -16,7 +16,7 @@ import pytest
 
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
-from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LoopThread, Served, start_server
+from tests.entrypoints.conftest import ENGINE_ARGS, MODEL_NAME, LoopThread, Served, start_server
 
 BODY = {"model": MODEL_NAME, "prompt": "Once more unto the breach", "max_tokens": 12,
         "ignore_eos": True, "temperature": 0}

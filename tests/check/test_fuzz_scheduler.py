@@ -20,7 +20,7 @@ from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.slots import RequestSlots
-from tests.core.helpers import make_scheduler
+from tests.helpers import make_scheduler
 
 EOS = 2
 STOP = 7
