@@ -18,7 +18,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from slotserve.engine.core_loop import LoopStats
 from slotserve.engine.messages import EngineStats
 from slotserve.outputs import RequestOutput
 
@@ -51,9 +50,7 @@ _COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
     ("prompt_tokens", "Prompt tokens processed (prefilled).", lambda s: s.prompt_tokens_total),
     ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens_total),
-)
-# How busy the front keeps the engine core's step loop.
-_LOOP_COUNTERS: tuple[tuple[str, str, Callable[[LoopStats], float]], ...] = (
+    # How busy the front keeps the engine core's step loop.
     ("engine_loop_steps", "Steps the engine loop ran.", lambda s: s.num_steps),
     ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().",
      lambda s: s.busy_s),
@@ -67,7 +64,7 @@ class _EngineStatsCollector(Collector):
         self._owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        stats, loop = self._owner.stats, self._owner.loop_stats
+        stats = self._owner.stats
         labels = [self._owner.model_name]
         for suffix, doc, read in _GAUGES:
             g = GaugeMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
@@ -77,10 +74,6 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
             c.add_metric(labels, float(read(stats)) if stats is not None else 0.0)
             yield c
-        for suffix, doc, read_loop in _LOOP_COUNTERS:
-            c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
-            c.add_metric(labels, float(read_loop(loop)) if loop is not None else 0.0)
-            yield c
 
 
 class ServerMetrics:
@@ -89,8 +82,8 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
+        # The engine's stats, read when /metrics is scraped.
         self.stats: EngineStats | None = None
-        self.loop_stats: LoopStats | None = None
         self._lock = threading.Lock()
         self.registry.register(_EngineStatsCollector(self))
         lab = ["model_name"]
@@ -113,9 +106,6 @@ class ServerMetrics:
         self._itl = self.itl.labels(model_name)
         self._e2e = self.e2e.labels(model_name)
         self._queue = self.queue_time.labels(model_name)
-
-    def set_stats(self, stats: EngineStats, loop_stats: LoopStats) -> None:
-        self.stats, self.loop_stats = stats, loop_stats
 
     def record_finished(self, out: RequestOutput) -> None:
         """A finished request: its end, and the latencies from the engine's timestamps."""

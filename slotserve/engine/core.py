@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from slotserve.check import InvariantChecker
 from slotserve.check.trace import TraceRecorder
@@ -21,14 +21,7 @@ from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.loading import load_model_config
-from slotserve.engine.messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineStats,
-    UtilityCall,
-    UtilityMethod,
-    portable,
-)
+from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, portable
 from slotserve.worker.slots import RequestSlots
 
 logger = logging.getLogger(__name__)
@@ -55,9 +48,10 @@ class EngineCore:
         # The last failure inside execute_model; its requests ended with "error".
         self.last_error: BaseException | None = None
         self.num_failed_steps = 0
-        # For the engine-overhead measurement (benchmarks/offline_throughput.py).
+        # Steps run and the wall / CPU seconds inside them (how busy the front keeps the
+        # core), and the forward passes' share (benchmarks/offline_throughput.py).
         self.num_steps = 0
-        self.total_forward_s = 0.0
+        self.busy_s = self.busy_cpu_s = self.total_forward_s = 0.0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -119,17 +113,9 @@ class EngineCore:
         s = self.scheduler.make_stats()
         return EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
                            s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_preemptions, num_failed_steps=self.num_failed_steps)
-
-    def call(self, call: UtilityCall) -> Any:
-        """A front's utility call (LOOP_STATS belongs to the loop that runs this core)."""
-        if call.method is UtilityMethod.RESET_PREFIX_CACHE:
-            return self.reset_prefix_cache(*call.args)
-        if call.method is UtilityMethod.GET_STATS:
-            return self.get_stats()
-        if call.method is UtilityMethod.RUN:
-            return call.args[0](self)
-        raise ValueError(f"EngineCore has no utility {call.method.name}")
+                           s.num_preemptions, num_failed_steps=self.num_failed_steps,
+                           num_steps=self.num_steps, busy_s=self.busy_s,
+                           busy_cpu_s=self.busy_cpu_s)
 
     # ----- the step ---------------------------------------------------------------------------
 
@@ -138,7 +124,15 @@ class EngineCore:
         # out, so a loop ticks step() now and then while sessions are paused.
         if not self.scheduler.has_requests() and not self.has_paused_sessions():
             return EngineCoreOutputs()
-        schedule_time = time.monotonic()
+        cpu_start, schedule_time = time.thread_time(), time.monotonic()
+        try:
+            return self._step(schedule_time)
+        finally:
+            self.num_steps += 1
+            self.busy_s += time.monotonic() - schedule_time
+            self.busy_cpu_s += time.thread_time() - cpu_start
+
+    def _step(self, schedule_time: float) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         if self.trace is not None:
             self.trace.schedule(scheduler_output)
@@ -150,7 +144,6 @@ class EngineCore:
         except Exception as exc:
             return EngineCoreOutputs(self._fail_step(scheduler_output, exc), schedule_time,
                                      time.monotonic(), scheduled_new, portable(exc))
-        self.num_steps += 1
         self.total_forward_s += self.model_runner.last_forward_s
         if self.checker is not None:
             self.checker.check_worker_slots(self.model_runner.slots)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
@@ -34,7 +34,6 @@ from slotserve.engine.core_loop import (
     EngineCoreLoop,
     EngineDead,
     LoopMessage,
-    LoopStats,
     run_engine_core_process,
 )
 from slotserve.engine.messages import (
@@ -43,7 +42,6 @@ from slotserve.engine.messages import (
     EngineCoreRequestType,
     EngineStats,
     UtilityCall,
-    UtilityMethod,
     UtilityResult,
 )
 from slotserve.errors import ConfigError, EngineDeadError
@@ -72,8 +70,9 @@ class EngineCoreClient(ABC):
     async def get_output_async(self) -> EngineCoreOutputs: ...
 
     @abstractmethod
-    def _utility(self, method: UtilityMethod, *args: Any) -> concurrent.futures.Future[Any]:
-        """Run a utility in the core between two steps."""
+    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """`fn(engine_core)` between two steps; in process mode `fn` must pickle (an
+        EngineCore method, a module-level function, or a functools.partial of one)."""
 
     @property
     @abstractmethod
@@ -90,18 +89,11 @@ class EngineCoreClient(ABC):
 
     def reset_prefix_cache(self, reset_running_requests: bool
                            ) -> concurrent.futures.Future[bool]:
-        return self._utility(UtilityMethod.RESET_PREFIX_CACHE, reset_running_requests)
+        return self.call_in_core(functools.partial(
+            EngineCore.reset_prefix_cache, reset_running_requests=reset_running_requests))
 
     def get_stats(self) -> concurrent.futures.Future[EngineStats]:
-        return self._utility(UtilityMethod.GET_STATS)
-
-    def loop_stats(self) -> concurrent.futures.Future[LoopStats]:
-        return self._utility(UtilityMethod.LOOP_STATS)
-
-    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
-        """Run `fn(engine_core)` between two steps (tests, debugging); in process mode `fn`
-        must pickle (a module-level function or a functools.partial of one)."""
-        return self._utility(UtilityMethod.RUN, fn)
+        return self.call_in_core(EngineCore.get_stats)
 
 
 def make_client(mode: EngineMode, args: EngineArgs, *,
@@ -120,8 +112,6 @@ class InprocClient(EngineCoreClient):
     def __init__(self, engine_core: EngineCore) -> None:
         self.engine_core = engine_core
         self.config = engine_core.config
-        self._stats = LoopStats(0, 0.0, 0.0)
-        self._started = time.perf_counter()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
@@ -130,28 +120,15 @@ class InprocClient(EngineCoreClient):
         self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            return self.engine_core.step()
-        finally:
-            self._stats.num_steps += 1
-            self._stats.busy_s += time.perf_counter() - t0
-            self._stats.busy_cpu_s += time.thread_time() - c0
+        return self.engine_core.step()
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        return self.get_output()
+        return self.engine_core.step()
 
-    def needs_step(self) -> bool:
-        return self.engine_core.has_requests()
-
-    def _utility(self, method: UtilityMethod, *args: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
-            if method is UtilityMethod.LOOP_STATS:
-                self._stats.wall_s = time.perf_counter() - self._started
-                future.set_result(self._stats)
-            else:
-                future.set_result(self.engine_core.call(UtilityCall(0, method, args)))
+            future.set_result(fn(self.engine_core))
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             future.set_exception(exc)
         return future
@@ -162,6 +139,9 @@ class InprocClient(EngineCoreClient):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         pass
+
+    def needs_step(self) -> bool:
+        return self.engine_core.has_requests()
 
 
 class _Inbox:
@@ -249,8 +229,8 @@ class _BackgroundClient(EngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         return await self._inbox.get_async()
 
-    def _utility(self, method: UtilityMethod, *args: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._dead_error is not None:
                 future.set_exception(EngineDeadError(str(self._dead_error)))
@@ -258,7 +238,7 @@ class _BackgroundClient(EngineCoreClient):
             call_id = self._next_call
             self._next_call += 1
             self._calls[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, args))
+        self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, fn))
         return future
 
     @property

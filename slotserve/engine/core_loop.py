@@ -21,19 +21,18 @@ import enum
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from slotserve.core.outputs import EngineCoreOutput
+from slotserve.engine.args import EngineArgs
 from slotserve.engine.core import EngineCore
 from slotserve.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequestType,
     UtilityCall,
-    UtilityMethod,
     UtilityResult,
     portable,
 )
@@ -48,20 +47,6 @@ class LoopState(enum.Enum):
     RUNNING = enum.auto()
     STOPPED = enum.auto()
     DEAD = enum.auto()
-
-
-@dataclass(slots=True)
-class LoopStats:
-    num_steps: int
-    # Seconds inside step() and seconds since the loop started: busy_s / wall_s is how busy
-    # the front keeps the step loop.
-    busy_s: float
-    wall_s: float
-    # CPU seconds the loop thread spent inside step(): below busy_s when the step waited
-    # (for the GIL, or for a CPU taken by other processes).
-    busy_cpu_s: float = 0.0
-    # Seconds spent handing results to the front (in process mode: queueing them).
-    post_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -81,9 +66,6 @@ class EngineCoreLoop:
         self.send = send
         self.inputs: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
         self.state = LoopState.RUNNING
-        self.num_steps = 0
-        self.busy_s = self.busy_cpu_s = self.post_s = 0.0
-        self._started = time.perf_counter()
 
     def run(self) -> None:
         core = self.core
@@ -110,25 +92,20 @@ class EngineCoreLoop:
             except Exception as exc:  # noqa: BLE001 - the request fails, the core goes on
                 # The front validated it, so the front and the core disagree: end it visibly.
                 logger.error("the engine core refused request %s: %s", payload.request_id, exc)
-                self._post(EngineCoreOutputs([EngineCoreOutput(
+                self.send(EngineCoreOutputs([EngineCoreOutput(
                     payload.request_id, [], "error", finished=True, finish_message=str(exc))]))
         elif kind is EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
         elif kind is EngineCoreRequestType.UTILITY:
-            self.send(self._utility(payload))
+            call: UtilityCall = payload
+            try:
+                self.send(UtilityResult(call.call_id, call.fn(self.core)))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self.send(UtilityResult(call.call_id, portable(exc), failed=True))
         else:
             self.state = LoopState.STOPPED
 
-    def _utility(self, call: UtilityCall) -> UtilityResult:
-        try:
-            if call.method is UtilityMethod.LOOP_STATS:
-                return UtilityResult(call.call_id, self.stats())
-            return UtilityResult(call.call_id, self.core.call(call))
-        except Exception as exc:  # noqa: BLE001 - handed to the caller
-            return UtilityResult(call.call_id, exc, failed=True)
-
     def _step(self) -> None:
-        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             outputs = self.core.step()
         except Exception as exc:  # noqa: BLE001 - the core cannot continue
@@ -136,21 +113,8 @@ class EngineCoreLoop:
             self.state = LoopState.DEAD
             self.send(EngineDead(portable(exc)))
             return
-        finally:
-            self.busy_s += time.perf_counter() - t0
-            self.busy_cpu_s += time.thread_time() - c0
-            self.num_steps += 1
         if outputs.outputs or outputs.scheduled_new_req_ids or outputs.step_error is not None:
-            self._post(outputs)
-
-    def _post(self, outputs: EngineCoreOutputs) -> None:
-        t0 = time.perf_counter()
-        self.send(outputs)
-        self.post_s += time.perf_counter() - t0
-
-    def stats(self) -> LoopStats:
-        return LoopStats(self.num_steps, self.busy_s, time.perf_counter() - self._started,
-                         self.busy_cpu_s, self.post_s)
+            self.send(outputs)
 
 
 def _wait(inputs: queue.SimpleQueue[LoopInput], timeout: float | None) -> LoopInput | None:
@@ -169,7 +133,7 @@ def _poll(inputs: queue.SimpleQueue[LoopInput]) -> LoopInput | None:
 
 # ----------------------------------------------------------------------------- process mode
 
-def run_engine_core_process(conn: Connection, args: Any, threads: int | None,
+def run_engine_core_process(conn: Connection, args: EngineArgs, threads: int | None,
                             log_level: int) -> None:
     """The child process: build the core, report its decided EngineConfig (or the startup
     error), then run the loop on this thread between two pipe threads.

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import enum
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slotserve.core.outputs import EngineCoreOutput
 from slotserve.core.scheduler import SchedulerStats
 from slotserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slotserve.engine.core import EngineCore
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -45,21 +49,13 @@ class EngineCoreRequest:
     continues_session: bool = False
 
 
-class UtilityMethod(enum.Enum):
-    """The calls the front makes into the core between two steps."""
-
-    RESET_PREFIX_CACHE = enum.auto()  # (reset_running_requests: bool) -> bool
-    GET_STATS = enum.auto()  # () -> EngineStats
-    LOOP_STATS = enum.auto()  # () -> LoopStats
-    # (fn,) -> fn(engine_core): for tests and debugging; in process mode fn must pickle.
-    RUN = enum.auto()
-
-
 @dataclass(slots=True)
 class UtilityCall:
+    """`fn(engine_core)` run between two steps: an EngineCore method (get_stats,
+    reset_prefix_cache through functools.partial) or, in tests, any function that pickles."""
+
     call_id: int
-    method: UtilityMethod
-    args: tuple[Any, ...] = ()
+    fn: Callable[[EngineCore], Any]
 
 
 @dataclass(slots=True)
@@ -77,6 +73,10 @@ class EngineStats(SchedulerStats):
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_failed_steps: int = 0
+    # How busy the front keeps the core: steps run, and wall / CPU seconds inside them.
+    num_steps: int = 0
+    busy_s: float = 0.0
+    busy_cpu_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -24,7 +24,6 @@ from typing import Any, Literal, TypeVar
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.core import EngineCore
 from slotserve.engine.core_client import InprocClient
-from slotserve.engine.core_loop import LoopStats
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.messages import EngineStats
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
@@ -340,10 +339,6 @@ class AsyncLLM:
     async def get_stats(self) -> EngineStats:
         stats = await asyncio.wrap_future(self.engine.engine_core.get_stats())
         return self.engine.with_front_counters(stats)
-
-    async def loop_stats(self) -> LoopStats:
-        """How busy the front keeps the engine's step loop (time in step() over wall time)."""
-        return await asyncio.wrap_future(self.engine.engine_core.loop_stats())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.engine.engine_core.shutdown(timeout)

@@ -190,7 +190,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         if not engine.errored:
-            metrics.set_stats(await engine.get_stats(), await engine.loop_stats())
+            metrics.stats = await engine.get_stats()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
