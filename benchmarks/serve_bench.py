@@ -15,11 +15,16 @@ requests with the same engine settings. Target: >= 0.9.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +42,69 @@ from slotserve.entrypoints.cli import (  # noqa: E402
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)  # --model, --threads, ...: the self-started server and offline run
     client.add_cli_args(p)
+    p.set_defaults(url=None)  # a server started here on the engine flags
+    p.add_argument("--engine-mode", choices=("process", "thread"), default="process",
+                   help="where the started server runs its engine core")
     p.add_argument("--repeats", type=int, default=3,
                    help="alternating unbounded-rate HTTP and offline runs for the ratio")
     p.add_argument("--no-offline", action="store_true",
                    help="skip the offline LLM.generate baseline (no overhead ratio)")
     p.add_argument("--plot", default=None,
                    help="PNG of latency against request rate (default: next to --json)")
+
+
+def engine_cli_flags(args: argparse.Namespace) -> list[str]:
+    flags: list[str] = []
+    for name in ("model", "dtype", "device", "max_model_len", "max_num_seqs",
+                 "max_num_batched_tokens", "block_size", "num_blocks", "kv_cache_memory",
+                 "policy", "threads"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    if getattr(args, "no_prefix_caching", False):
+        flags.append("--no-prefix-caching")
+    return flags
+
+
+@contextlib.contextmanager
+def serving(args: argparse.Namespace) -> Iterator[str]:
+    """The URL of --url, or of a server started here on the engine flags (stopped after)."""
+    if args.url is not None:
+        yield args.url
+        return
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
+           "--log-level", "warning", "--engine-mode", args.engine_mode,
+           *engine_cli_flags(args)] + (["--api-key", args.api_key] if args.api_key else [])
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _healthy(httpx, url):
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with code {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not become healthy within 300 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(httpx: Any, url: str) -> bool:
+    try:
+        return bool(httpx.get(f"{url}/health", timeout=1).status_code == 200)
+    except httpx.HTTPError:
+        return False
 
 
 def engine_loop_counters(url: str, api_key: str | None) -> dict[str, float]:
@@ -132,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
     requests = client.make_dataset(args.num_prompts, args.input_len, args.output_len,
                                    args.range_ratio, vocab, args.seed)
     offline_runs: list[float] = []
-    with client.serving(args) as url:
+    with serving(args) as url:
         model = args.served_model_name or client.served_model(url, args.api_key)
 
         def http_run(rate: float, label: str) -> dict[str, Any]:

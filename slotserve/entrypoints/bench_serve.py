@@ -1,14 +1,14 @@
-"""`slotserve bench serve`: a load generator for the OpenAI-compatible server, in the style of
-`vllm bench serve`.
+"""`slotserve bench serve`: a load generator for a running OpenAI-compatible server, in the
+style of `vllm bench serve`.
 
+    slotserve serve &
     slotserve bench serve --url http://127.0.0.1:8000 --request-rates 2,4,8,inf
-    slotserve bench serve --num-prompts 200       # starts a server on --model, stops it after
 
 A seeded random dataset of token-id prompts (exact input lengths; ignore_eos makes output
 lengths exact) is sent at each request rate (Poisson arrivals; `inf` sends everything at
 once). Reported per rate: request and output-token throughput, mean / median / p99 of TTFT,
-TPOT, ITL and end-to-end latency. `benchmarks/serve_bench.py` adds the serving-overhead
-ratio against offline `LLM.generate` measured in the same run.
+TPOT, ITL and end-to-end latency. `benchmarks/serve_bench.py` starts its own server and adds
+the serving-overhead ratio against offline `LLM.generate` measured in the same run.
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ import json
 import math
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,13 +46,11 @@ class RequestResult:
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    """The client's flags; the caller adds the engine flags (for a self-started server)."""
-    p.add_argument("--url", default=None,
-                   help="a running server; without it one is started on --model and stopped")
+    """The client's flags; `--model` (the folder the server runs, for the prompts'
+    vocabulary) comes from the caller."""
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server to load")
     p.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"))
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--engine-mode", choices=("process", "thread"), default="process",
-                   help="where the self-started server runs its engine core")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -252,61 +246,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
               f"{f(r, 'itl_ms'):>20} | {f(r, 'e2e_ms'):>22}")
 
 
-# ----------------------------------------------------------------------------- the server
-
-def engine_cli_flags(args: argparse.Namespace) -> list[str]:
-    flags: list[str] = []
-    for name in ("model", "dtype", "device", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "block_size", "num_blocks", "kv_cache_memory",
-                 "policy", "threads"):
-        value = getattr(args, name, None)
-        if value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
-    if getattr(args, "no_prefix_caching", False):
-        flags.append("--no-prefix-caching")
-    return flags
-
-
-@contextlib.contextmanager
-def serving(args: argparse.Namespace) -> Iterator[str]:
-    """The URL of --url, or of a server started here on the engine flags (stopped after)."""
-    if args.url is not None:
-        yield args.url
-        return
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    cmd = [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
-           "--log-level", "warning", "--engine-mode", args.engine_mode,
-           *engine_cli_flags(args)] + (["--api-key", args.api_key] if args.api_key else [])
-    proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not _healthy(httpx, url):
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with code {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become healthy within 300 s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(httpx: Any, url: str) -> bool:
-    try:
-        return bool(httpx.get(f"{url}/health", timeout=1).status_code == 200)
-    except httpx.HTTPError:
-        return False
-
+# ----------------------------------------------------------------------------- the run
 
 def served_model(url: str, api_key: str | None) -> str:
     import httpx
@@ -331,13 +271,13 @@ def main(args: argparse.Namespace) -> int:
     vocab = model_vocab_size(args.model)
     requests = make_dataset(args.num_prompts, args.input_len, args.output_len,
                             args.range_ratio, vocab, args.seed)
-    with serving(args) as url:
-        model = args.served_model_name or served_model(url, args.api_key)
-        warm_up(url, model, vocab, args)
-        results = [run_http(url, model, requests, rate, args, f"rate {rate}")
-                   for rate in parse_rates(args.request_rates)]
+    url = args.url
+    model = args.served_model_name or served_model(url, args.api_key)
+    warm_up(url, model, vocab, args)
+    results = [run_http(url, model, requests, rate, args, f"rate {rate}")
+               for rate in parse_rates(args.request_rates)]
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"url": args.url, "rates": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"url": url, "rates": results}, indent=2))
         print(f"wrote {args.json}")
     return 0 if all(r["failed"] == 0 for r in results) else 1

@@ -193,9 +193,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    p = bench_sub.add_parser("serve",
-                             help="load-test a server (or one started on the bundled model)")
-    add_engine_arguments(p)  # for the server it starts when no --url is given
+    p = bench_sub.add_parser("serve", help="load-test a running server")
+    p.add_argument("--model", default=None, help="the model folder the server runs, for the "
+                   "prompts' vocabulary (default: the bundled model)")
     bench_serve.add_cli_args(p)
     p.set_defaults(func=bench_serve.main)
 
