@@ -1,4 +1,4 @@
-"""CPU time of one decode step of the real ModelRunner on a SmolLM-135M-shaped model.
+"""CPU time of one decode step of the real ModelRunner on a SmolLM-135M- or Gemma-3-270M-shaped model.
 
 Builds random weights in slotserve's own module tree (no checkpoint, no transformers), admits
 `--batch` requests whose context is `--ctx` tokens with all but the last one already "computed"
@@ -7,12 +7,14 @@ steps through `ModelRunner.execute_model`, each one token longer. Reported per s
 median over steps of CPU time (`time.thread_time`, so other processes on a shared machine do
 not inflate it):
 
-- forward: the model's decoder layers (`LlamaForCausalLM.forward`);
+- forward: the model's decoder layers (`DecoderForCausalLM.forward`);
 - logits+sample: final norm, LM head and greedy sampling;
 - step: the whole `execute_model` call (forward + logits + the runner's bookkeeping).
 
 `--profile` adds a torch.profiler operator table of one step; `--check` first compares the
 hidden states of one decode step between the native decode kernel and the torch path.
+`--shape gemma3` uses Gemma 3 270M's shape (15 of 18 layers with a 512-token sliding window);
+`--full-attention` drops its window, as the baseline for what the window saves.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]
 """
@@ -20,6 +22,7 @@ hidden states of one decode step between the native decode kernel and the torch 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -37,8 +40,14 @@ from slotserve.core.outputs import (  # noqa: E402
     NewRequestData,
     SchedulerOutput,
 )
-from slotserve.models.config import ModelConfig  # noqa: E402
-from slotserve.models.llama import LlamaForCausalLM  # noqa: E402
+from slotserve.models.config import (  # noqa: E402
+    GEMMA3_ROPE_THETA,
+    ModelConfig,
+    RopeConfig,
+    gemma3_layer_types,
+)
+from slotserve.models.layers import DecoderForCausalLM  # noqa: E402
+from slotserve.models.registry import model_class  # noqa: E402
 from slotserve.sampling_params import SamplingParams  # noqa: E402
 from slotserve.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -46,12 +55,20 @@ SMOLLM = ModelConfig(architecture="LlamaForCausalLM", model_type="llama", hidden
                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                      head_dim=64, intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5,
                      tie_word_embeddings=True)
+GEMMA3_270M = ModelConfig(
+    architecture="Gemma3ForCausalLM", model_type="gemma3_text", hidden_size=640,
+    num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    intermediate_size=2048, vocab_size=262144, tie_word_embeddings=True, qk_norm=True,
+    sliding_window=512, layer_types=gemma3_layer_types(18),
+    rope=RopeConfig(theta=GEMMA3_ROPE_THETA), rope_local=RopeConfig(theta=10000.0),
+    query_pre_attn_scalar=256, hidden_act="gelu_pytorch_tanh", max_position_embeddings=32768)
+SHAPES = {"smollm": SMOLLM, "gemma3": GEMMA3_270M}
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, seed: int = 0) -> DecoderForCausalLM:
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -111,13 +128,11 @@ def check_native(runner: ModelRunner, batch: int) -> float:
     q_lens = np.ones(batch, dtype=np.int64)
     num_computed = b.num_computed_tokens[slots]
     outs = []
-    saved = runner.native_decode
     for native in (False, True):
-        runner.native_decode = native
+        runner.model.init_attention(native)  # the attention layer picks its decode path
         ids, pos, meta = runner._prepare_inputs([f"r{i}" for i in range(batch)], slots, q_lens,
                                                 num_computed)
         outs.append(runner.model(ids, pos, runner.kv_caches, meta))
-    runner.native_decode = saved
     return float((outs[0] - outs[1]).abs().max())
 
 
@@ -130,10 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm")
+    parser.add_argument("--full-attention", action="store_true",
+                        help="ignore the shape's sliding window (every layer global)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    cfg = SMOLLM
+    cfg = dataclasses.replace(SHAPES[args.shape])
+    if args.full_attention:
+        cfg.sliding_window = None
     runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size)
     admit(runner, args.batch, args.ctx, blocks)
     if args.check:

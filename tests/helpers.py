@@ -310,6 +310,18 @@ TINY_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # per-head q/k RMSNorm, head_dim 32, untied.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    # Gemma 3: local layers with a 6-token window (not a multiple of the tests' block sizes,
+    # so windows start mid-block; prompts run far past it) around one global layer, each kind
+    # with its own RoPE (linear scaling on the global one, as the 4B+ models have), one KV
+    # head, head_dim 32 != hidden / heads, a query scale that is not head_dim, tied.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=6, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 
@@ -321,19 +333,25 @@ class TinyModel:
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights with a spread large enough that logits are far from ties (std 0.02 is not)."""
+    """Weights with a spread large enough that logits are far from ties (std 0.02 is not).
+
+    Gemma multiplies the embedding by sqrt(hidden) and ties the LM head, so with the same
+    spread the input token's own embedding dominates the residual stream and greedy decoding
+    just repeats it: its embeddings are smaller and its norms (which scale by 1 + w) stronger.
+    """
     import torch
 
+    gemma = getattr(getattr(model, "config", None), "model_type", "") == "gemma3_text"
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
+                p.copy_((3.0 if gemma else 1.0) + 0.2 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.2 * noise)
             elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(noise)
+                p.copy_(0.25 * noise if gemma else noise)
             else:
                 p.copy_(noise / p.shape[-1] ** 0.5)
 

@@ -21,6 +21,9 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "default_model")
 # per-slot buffer huge on a CPU; this cap keeps the default practical.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The environment switches, read once in EngineArgs.from_kwargs.
+CHECK_ENV, TRACE_ENV, NATIVE_ATTENTION_ENV = (
+    "SLOTSERVE_CHECK", "SLOTSERVE_TRACE", "SLOTSERVE_NATIVE_ATTENTION")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,22 +48,27 @@ class EngineArgs:
     check: bool = False
     trace_path: str | None = None
     seed: int | None = None
+    # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
+    native_attention: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """The one entry for engine settings; the environment switches are read here, once:
-        SLOTSERVE_CHECK=1 turns the checker on for any engine, SLOTSERVE_TRACE=PATH records
-        a trace unless a trace_path is given."""
+        """The one entry for engine settings; the environment switches are read here, once,
+        and carried as arguments from then on: SLOTSERVE_CHECK=1 turns the checker on for any
+        engine, SLOTSERVE_TRACE=PATH records a trace unless a trace_path is given, and
+        SLOTSERVE_NATIVE_ATTENTION=0 keeps decode attention on the torch path."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; "
                             f"known: {', '.join(sorted(names))}")
         given = {k: v for k, v in kwargs.items() if v is not None}
-        if os.environ.get("SLOTSERVE_CHECK", "") not in ("", "0", "false", "False"):
+        if os.environ.get(CHECK_ENV, "") not in ("", "0", "false", "False"):
             given["check"] = True
-        if "trace_path" not in given and os.environ.get("SLOTSERVE_TRACE"):
-            given["trace_path"] = os.environ["SLOTSERVE_TRACE"]
+        if "trace_path" not in given and os.environ.get(TRACE_ENV):
+            given["trace_path"] = os.environ[TRACE_ENV]
+        if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
+            given["native_attention"] = False
         return cls(**given)
 
     def model_path(self) -> str:

@@ -76,7 +76,8 @@ class EngineCore:
                                           args.max_num_seqs, bound)
         config = args.create_engine_config(model_config.max_position_embeddings, num_blocks)
         runner = ModelRunner((model, model_config), config.scheduler_config,
-                             config.cache_config, dtype=dtype, device=device, seed=args.seed)
+                             config.cache_config, dtype=dtype, device=device, seed=args.seed,
+                             native_attention=args.native_attention)
         return cls(config, runner)
 
     # ----- requests in and out ----------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The model shape and settings slotserve needs, read from a Hugging Face checkpoint folder.
 
-Only the Llama family is supported: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k
-RMSNorm). They share one module tree (`models/llama.py`); this record carries the differences.
+Supported: the Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k
+RMSNorm; one module tree, `models/llama.py`) and Gemma 3 text (`models/gemma3.py`). This record
+carries the differences, including which layers attend through a sliding window and the RoPE
+of those layers when it differs (Gemma 3: local base 10,000, global 1,000,000).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Configs without an `architectures` list still name their family in `model_type`.
 _MODEL_TYPE_TO_ARCH = {
@@ -28,8 +31,15 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# transformers' names for the attention of a layer (`layer_types`).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# Gemma 3 when the checkpoint is silent (transformers' and llama.cpp's defaults).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_ROPE_THETA, GEMMA3_ROPE_LOCAL_THETA = 1_000_000.0, 10_000.0
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
 
 
 @dataclass(slots=True)
@@ -67,12 +77,38 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     max_position_embeddings: int = 2048
+    # Width of the sliding window of the layers whose `layer_types` entry says so.
     sliding_window: int | None = None
+    # Per layer FULL_ATTENTION or SLIDING_ATTENTION; empty: every layer full.
+    layer_types: list[str] = field(default_factory=list)
+    # RoPE of the sliding-window layers when it differs from `rope` (Gemma 3's local base).
+    rope_local: RopeConfig | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim.
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"  # the gate activation of the MLP
+    final_logit_softcapping: float | None = None
     torch_dtype: str | None = None
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def attention_scale(self) -> float:
+        # As transformers writes it (x ** -0.5 and 1 / sqrt(x) can differ in the last bit).
+        return float(float(self.query_pre_attn_scalar or self.head_dim) ** -0.5)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None when it attends to the whole context."""
+        if (self.sliding_window is None or not self.layer_types
+                or self.layer_types[layer] != SLIDING_ATTENTION):
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.rope_local is not None and self.layer_window(layer) is not None:
+            return self.rope_local
+        return self.rope
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -82,7 +118,7 @@ class ModelConfig:
         config_file = folder / "config.json"
         raw = _read_json(config_file, required=True)
         gen = _read_json(folder / "generation_config.json", required=False)
-        return cls.from_dict(raw, generation_config=gen, source=str(config_file))
+        return cls.from_dict(raw or {}, generation_config=gen, source=str(config_file))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None,
@@ -96,11 +132,13 @@ class ModelConfig:
             head_dim = int(raw.get("head_dim") or hidden // heads)
             attention_bias = bool(raw.get("attention_bias", False))
             qwen2 = arch == "Qwen2ForCausalLM"
+            num_layers = int(raw["num_hidden_layers"])
+            window = _sliding_window(raw, arch)
             cfg = cls(
                 architecture=arch,
                 model_type=str(raw.get("model_type", "")),
                 hidden_size=hidden,
-                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_hidden_layers=num_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
                 head_dim=head_dim,
@@ -112,13 +150,16 @@ class ModelConfig:
                 attention_bias=True if qwen2 else attention_bias,
                 o_proj_bias=False if qwen2 else attention_bias,
                 mlp_bias=bool(raw.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
                 eos_token_id=_eos_ids(raw, generation_config),
                 bos_token_id=raw.get("bos_token_id"),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-                sliding_window=_sliding_window(raw, arch),
+                sliding_window=window,
+                layer_types=_layer_types(raw, arch, num_layers, window, source),
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             )
+            if arch == "Gemma3ForCausalLM":
+                _apply_gemma3(cfg, raw, source)
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source}: bad or missing field ({exc!r})") from exc
         if heads % kv_heads != 0:
@@ -147,21 +188,27 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
         archs = [_MODEL_TYPE_TO_ARCH[raw["model_type"]]]
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
-            return arch
+            return str(arch)
     named = ", ".join(map(str, archs)) or f"model_type={raw.get('model_type')!r}"
     raise ModelLoadError(f"unsupported architecture {named} in {source}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 5 writes everything into `rope_parameters` (theta included); older configs
-    # use `rope_theta` plus an optional `rope_scaling` dict. Read both; the nested dict wins.
+def _rope(raw: dict[str, Any], source: str, layer_type: str = FULL_ATTENTION,
+          default_theta: float = 10000.0, theta_key: str = "rope_theta") -> RopeConfig:
+    # transformers 5 writes everything into `rope_parameters` (theta included), one dict per
+    # layer type where the types differ (Gemma 3); older configs use `rope_theta` (Gemma 3's
+    # local layers: `rope_local_base_freq`) plus an optional `rope_scaling` dict, which
+    # transformers applies to the full-attention layers only. Read both; the nested dict wins.
     params: dict[str, Any] = {}
-    if isinstance(raw.get("rope_scaling"), dict):
+    if isinstance(raw.get("rope_scaling"), dict) and layer_type == FULL_ATTENTION:
         params.update(raw["rope_scaling"])
-    if isinstance(raw.get("rope_parameters"), dict):
-        params.update(raw["rope_parameters"])
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    nested = raw.get("rope_parameters")
+    if isinstance(nested, dict) and (FULL_ATTENTION in nested or SLIDING_ATTENTION in nested):
+        nested = nested.get(layer_type)
+    if isinstance(nested, dict):
+        params.update(nested)
+    theta = params.get("rope_theta", raw.get(theta_key, default_theta))
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"{source}: unsupported rope_type {rope_type!r}; supported: "
@@ -175,6 +222,59 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
     )
+
+
+def gemma3_layer_types(num_layers: int,
+                       sliding_window_pattern: int = GEMMA3_SLIDING_WINDOW_PATTERN) -> list[str]:
+    """Gemma 3's layer pattern when a checkpoint does not list it: every
+    `sliding_window_pattern`-th layer (5, 11, 17, ... by default) is global, the rest local."""
+    if sliding_window_pattern < 1:
+        raise ModelLoadError(f"sliding_window_pattern must be >= 1, got {sliding_window_pattern}")
+    return [SLIDING_ATTENTION if (i + 1) % sliding_window_pattern else FULL_ATTENTION
+            for i in range(num_layers)]
+
+
+def _layer_types(raw: dict[str, Any], arch: str, num_layers: int, window: int | None,
+                 source: str) -> list[str]:
+    explicit = raw.get("layer_types")
+    if explicit is not None:
+        types = [str(t) for t in explicit]
+        unknown = sorted(set(types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if len(types) != num_layers or unknown:
+            raise ModelLoadError(f"{source}: layer_types must list {FULL_ATTENTION!r} or "
+                                 f"{SLIDING_ATTENTION!r} for each of the {num_layers} layers"
+                                 + (f" (unsupported: {', '.join(unknown)})" if unknown else ""))
+        return types
+    if window is None:
+        return []
+    if arch == "Gemma3ForCausalLM":
+        # Hub configs spell it `sliding_window_pattern`; transformers 5 saves `_sliding_...`.
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+        return gemma3_layer_types(num_layers, int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # transformers: the layers from max_window_layers on use the window.
+        first = int(raw.get("max_window_layers", num_layers))
+        return [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    return [SLIDING_ATTENTION] * num_layers  # Mistral: every layer
+
+
+def _apply_gemma3(cfg: ModelConfig, raw: dict[str, Any], source: str) -> None:
+    """Gemma 3 text: two RoPE bases, a query scale of its own, GeGLU, tied embeddings."""
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise ModelLoadError(f"{source}: unsupported Gemma 3 setting {key}={raw[key]!r}")
+    cfg.rope = _rope(raw, source, FULL_ATTENTION, GEMMA3_ROPE_THETA)
+    cfg.rope_local = _rope(raw, source, SLIDING_ATTENTION, GEMMA3_ROPE_LOCAL_THETA,
+                           theta_key="rope_local_base_freq")
+    cfg.query_pre_attn_scalar = float(raw.get("query_pre_attn_scalar")
+                                      or GEMMA3_QUERY_PRE_ATTN_SCALAR)
+    cfg.hidden_act = str(raw.get("hidden_activation") or raw.get("hidden_act")
+                         or "gelu_pytorch_tanh")
+    if cfg.hidden_act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: unsupported Gemma 3 activation {cfg.hidden_act!r}")
+    softcap = raw.get("final_logit_softcapping")
+    cfg.final_logit_softcapping = float(softcap) if softcap is not None else None
+    cfg.tie_word_embeddings = bool(raw.get("tie_word_embeddings", True))
 
 
 def _eos_ids(raw: dict[str, Any], gen: dict[str, Any] | None) -> list[int]:

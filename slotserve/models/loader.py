@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint folder (config.json + safetensors) into `LlamaForCausalLM`.
+"""Load a Hugging Face checkpoint folder (config.json + safetensors) into its model class.
 
 No network and no transformers: the config is parsed by `ModelConfig`, the weights are read
 with `safetensors` shard by shard and copied into a module built on the meta device (so no
@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from slotserve.errors import ModelLoadError
 from slotserve.models.config import ModelConfig
-from slotserve.models.llama import LlamaForCausalLM
+from slotserve.models.layers import DecoderForCausalLM
+from slotserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +95,16 @@ def _target(cfg: ModelConfig, params: dict[str, torch.Tensor], key: str
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, max_positions: int | None = None,
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+               ) -> tuple[DecoderForCausalLM, ModelConfig]:
     folder = Path(path)
     cfg = ModelConfig.from_pretrained(folder)
     files = weight_files(folder)
     torch_dtype = parse_dtype(dtype)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype=torch_dtype).to_empty(device=dev)
+        model = model_class(cfg.architecture)(cfg)
+    model.to_dtype(torch_dtype)
+    model = model.to_empty(device=dev)
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     filled: dict[str, int] = dict.fromkeys(params, 0)
     for file in files:
@@ -111,7 +113,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     if _IGNORED.match(key):
                         continue
-                    _copy_tensor(cfg, params, key, f.get_tensor(key), filled, file)
+                    _copy_tensor(model, params, key, f.get_tensor(key), filled, file)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
@@ -139,8 +141,9 @@ def _checkpoint_names(param: str) -> str:
     return param
 
 
-def _copy_tensor(cfg: ModelConfig, params: dict[str, torch.Tensor], key: str,
+def _copy_tensor(model: DecoderForCausalLM, params: dict[str, torch.Tensor], key: str,
                  tensor: torch.Tensor, filled: dict[str, int], file: Path) -> None:
+    cfg = model.config
     if key == "lm_head.weight" and cfg.tie_word_embeddings:
         return  # some tied checkpoints store both; the embedding is the one we use
     target = _target(cfg, params, key)
@@ -154,5 +157,5 @@ def _copy_tensor(cfg: ModelConfig, params: dict[str, torch.Tensor], key: str,
         raise ModelLoadError(f"tensor {key} in {str(file)!r} has shape {tuple(tensor.shape)}, "
                              f"expected {expected}")
     with torch.no_grad():
-        param[start:start + rows].copy_(tensor)
+        param[start:start + rows].copy_(model.checkpoint_tensor(key, tensor))
     filled[name] += rows

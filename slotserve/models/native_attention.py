@@ -2,14 +2,17 @@
 
 For decodes (one query token per sequence) on the CPU in float32 the torch path's gather copy,
 padded mask and SDPA blocking for 3-row queries cost more than the attention itself, so this
-kernel walks each sequence's blocks once instead. It is compiled with the system C compiler on
-first use, cached under the slotserve cache directory (keyed by source, flags, compiler and
-CPU), and loaded with ctypes. When there is no compiler, the build or load fails, or
-`SLOTSERVE_NATIVE_ATTENTION=0` is set, `native_decode_supported` says no and the caller uses
-the torch path; a failure is logged once per process.
+kernel (`csrc/paged_decode.c`, shipped with the package) walks each sequence's blocks once
+instead, and skips the blocks before a sliding window. It is compiled with the system C
+compiler on first use, cached under the slotserve cache directory (keyed by source, flags,
+compiler and CPU), and loaded with ctypes. When there is no compiler or the build or load
+fails, `native_decode_supported` says no and the attention layer uses the torch path; a failure
+is logged once per process. Whether to try it at all is the caller's argument
+(`EngineArgs.native_attention`), not read from the environment here.
 
-The environment switch is read on every `native_decode_supported` call (one per ModelRunner),
-so tests can flip it with `monkeypatch.setenv`; only the built library is cached.
+`paged_decode` checks every argument for real (shapes, strides, dtypes, devices; the kernel
+itself checks context lengths and block ids against the cache before reading) and raises
+`NativeKernelError`; it allocates nothing: the caller owns the output and the score scratch.
 """
 
 from __future__ import annotations
@@ -30,114 +33,30 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ENV_SWITCH = "SLOTSERVE_NATIVE_ATTENTION"
-
-# One call handles decodes [b0, b1). Per sequence: scores for every query head in one pass
-# over its K rows (a token's row holds all KV heads, so blocks are read front to back), a
-# softmax per head, then one pass over the V rows. Vector types keep the 64-wide dot products
-# in registers; expf is declared with the vector ABI so the softmax loop calls glibc's
-# libmvec (when linking it fails, the plain declaration from math.h is used).
-_NATIVE_SRC = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#ifdef USE_MVEC
-__attribute__((simd("notinbranch"))) float expf(float);
-#endif
-/* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
-   while a block's row i is used, row i of the sequence's next block is requested. */
-#define PREFETCH_ROW(ptr) \
-    for (int64_t j = 0; j < tok_stride; j += 16) __builtin_prefetch((ptr) + j)
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-#ifdef __clang__
-#define SHUF(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
-#else
-#define SHUF(x, ...) __builtin_shuffle(x, (v16i){__VA_ARGS__})
-#endif
-
-static inline float hsum(v16 x) {
-    x += SHUF(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x += SHUF(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x += SHUF(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x += SHUF(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return x[0];
-}
-
-/* q [nd, kvh * groups, head_dim] (rows q_stride apart), caches [blocks, bs, kvh, head_dim],
-   block_table [nd, max_blocks], out [nd, kvh * groups * head_dim]. head_dim % 16 == 0. */
-int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_cache,
-        const float* v_cache, const int64_t* block_table, int64_t max_blocks,
-        const int64_t* ctx_lens, float* out, int64_t b0, int64_t b1, int64_t kvh,
-        int64_t groups, int64_t head_dim, int64_t bs, float scale) {
-    int64_t max_ctx = max_blocks * bs, nh = kvh * groups, nc = head_dim / 16;
-    int64_t tok_stride = kvh * head_dim, blk_stride = bs * tok_stride;
-    float* p = malloc(sizeof(float) * nh * max_ctx);
-    if (!p) return 1;
-    for (int64_t b = b0; b < b1; b++) {
-        int64_t n = ctx_lens[b];
-        const int64_t* blocks = block_table + b * max_blocks;
-        const float* qb = q + b * q_stride;
-        for (int64_t t0 = 0; t0 < n; t0 += bs) {
-            const float* blk = k_cache + blocks[t0 / bs] * blk_stride;
-            const float* next = t0 + bs < n ? k_cache + blocks[t0 / bs + 1] * blk_stride : blk;
-            int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t i = 0; i < tn; i++) {
-                PREFETCH_ROW(next + i * tok_stride);
-                for (int64_t hq = 0; hq < nh; hq++) {
-                    const v16* kv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
-                    const v16* qv = (const v16*)(qb + hq * head_dim);
-                    v16 acc = qv[0] * kv[0];
-                    for (int64_t c = 1; c < nc; c++) acc += qv[c] * kv[c];
-                    p[hq * max_ctx + t0 + i] = scale * hsum(acc);
-                }
-            }
-        }
-        for (int64_t hq = 0; hq < nh; hq++) {
-            float* ph = p + hq * max_ctx;
-            float m = ph[0], sum = 0.0f;
-            for (int64_t t = 1; t < n; t++) m = ph[t] > m ? ph[t] : m;
-#pragma omp simd reduction(+:sum)
-            for (int64_t t = 0; t < n; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
-            float inv = 1.0f / sum;
-            for (int64_t t = 0; t < n; t++) ph[t] *= inv;
-        }
-        v16* acc = (v16*)(out + b * nh * head_dim);
-        memset(acc, 0, sizeof(float) * nh * head_dim);
-        for (int64_t t0 = 0; t0 < n; t0 += bs) {
-            const float* blk = v_cache + blocks[t0 / bs] * blk_stride;
-            const float* next = t0 + bs < n ? v_cache + blocks[t0 / bs + 1] * blk_stride : blk;
-            int64_t tn = n - t0 < bs ? n - t0 : bs;
-            for (int64_t i = 0; i < tn; i++) {
-                PREFETCH_ROW(next + i * tok_stride);
-                for (int64_t hq = 0; hq < nh; hq++) {
-                    const v16* vv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
-                    v16 w = (v16){0} + p[hq * max_ctx + t0 + i];
-                    for (int64_t c = 0; c < nc; c++) acc[hq * nc + c] += w * vv[c];
-                }
-            }
-        }
-    }
-    free(p);
-    return 0;
-}
-"""
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
 _CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
            "-shared", "-fPIC"]
 # Tried in order: the vectorized expf from libmvec, then plain libm.
 _LINK_VARIANTS = (["-DUSE_MVEC", "-lmvec", "-lm"], ["-lm"])
 _COMPILE_TIMEOUT_S = 120
+# The kernel's return codes (the enum at the top of paged_decode.c).
+_ERRORS = {1: "a context length is < 1 or longer than its block-table row",
+           2: "a block id is outside the KV cache",
+           3: "the scratch buffer is too small for the attended tokens"}
 
+KernelFn = Callable[..., int]
 # None: not tried yet; False: unavailable (already logged); else the ctypes function.
-_native_fn: Callable[..., int] | bool | None = None
+_native_fn: KernelFn | bool | None = None
 _pool: ThreadPoolExecutor | None = None
 _pool_key = (0, 0)  # (pid, workers): a pool inherited through fork() has no threads
 
 
 class NativeBuildError(RuntimeError):
     """The C compiler rejected the kernel with every link variant."""
+
+
+class NativeKernelError(ValueError):
+    """The kernel was called with arguments it cannot use (nothing was read out of bounds)."""
 
 
 def find_compiler() -> str | None:
@@ -160,7 +79,7 @@ def _cpu_flags() -> str:
 
 
 def library_path(cc: str, cache: Path) -> Path:
-    key = hashlib.sha256((_NATIVE_SRC + " ".join(_CFLAGS) + cc + _cpu_flags()).encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS + [cc, _cpu_flags()]).encode())
     return cache / f"paged_decode_{key.hexdigest()[:16]}.so"
 
 
@@ -197,12 +116,10 @@ def compile_library(cc: str, cache: Path) -> Path:
         # Compile inside a private temp dir on the same filesystem, then rename: a process
         # loading `lib` concurrently sees either no file or the whole file, never a partial one.
         with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
-            src = Path(tmp) / "paged_decode.c"
-            src.write_text(_NATIVE_SRC)
             out = Path(tmp) / "paged_decode.so"
             errors = ""
             for extra in _LINK_VARIANTS:
-                res = subprocess.run([cc, *_CFLAGS, str(src), "-o", str(out), *extra],
+                res = subprocess.run([cc, *_CFLAGS, str(SOURCE), "-o", str(out), *extra],
                                      capture_output=True, text=True,
                                      timeout=_COMPILE_TIMEOUT_S)
                 if res.returncode == 0:
@@ -214,15 +131,15 @@ def compile_library(cc: str, cache: Path) -> Path:
     return lib
 
 
-def _load(lib: Path) -> Callable[..., int]:
+def _load(lib: Path) -> KernelFn:
     fn = ctypes.CDLL(str(lib)).slotserve_paged_decode_f32
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, p, p, i, p, p, i, i, i, i, i, i, ctypes.c_float]
+    fn.argtypes = [p, i, p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, i, i, ctypes.c_float]
     fn.restype = ctypes.c_int
     return fn
 
 
-def _build_native() -> Callable[..., int] | None:
+def _build_native() -> KernelFn | None:
     """Compile (or reuse) and load the kernel; None, after logging why, when that fails."""
     cc = find_compiler()
     if cc is None:
@@ -245,57 +162,78 @@ def _build_native() -> Callable[..., int] | None:
     return None
 
 
-def native_enabled() -> bool:
-    """False when SLOTSERVE_NATIVE_ATTENTION=0 asks for the torch path."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
 def native_decode_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether decodes of this model can use the native kernel (building it on first call)."""
     global _native_fn
-    if not native_enabled() or dtype != torch.float32 or device.type != "cpu" or head_dim % 16:
+    if dtype != torch.float32 or device.type != "cpu" or head_dim % 16:
         return False
     if _native_fn is None:
         _native_fn = _build_native() or False  # a failure is cached, so it is logged once
     return _native_fn is not False
 
 
-def native_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_ids: torch.Tensor, max_blocks: int, ctx_lens: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """query [nd, H, D] (rows may be strided) -> [nd, H * D]; see `_NATIVE_SRC`.
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise NativeKernelError(f"native paged decode: {what}")
 
-    block_ids is read as [nd, max_blocks], ctx_lens as [nd]; both int64 and unchecked, so the
-    caller guarantees ids < num_blocks. Requires native_decode_supported(...) to be True.
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, ctx_lens: torch.Tensor, window: int | None,
+                 scale: float, out: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Attention of nd single-token queries over their paged contexts, written into `out`.
+
+    query [nd, H, D] (rows may be strided, heads contiguous); caches [num_blocks, block_size,
+    KVH, D] contiguous; block_table [nd, max_blocks] and ctx_lens [nd] int64 contiguous;
+    out [nd, H * D] (rows may be strided); scratch [threads, n] float32 contiguous, where n is
+    at least H * the most tokens one sequence attends to. `window` None or 0: the whole
+    context. Requires native_decode_supported(...) to have returned True.
     """
     global _pool, _pool_key
-    nd, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if query.stride(2) != 1 or query.stride(1) != head_dim:
-        query = query.contiguous()
-    # The kernel trusts these; the runner builds them contiguous and int64.
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert block_ids.is_contiguous() and ctx_lens.is_contiguous()
-    assert block_ids.dtype == torch.int64 and ctx_lens.dtype == torch.int64
-    out = query.new_empty(nd, num_heads * head_dim)
     fn = _native_fn
-    assert callable(fn), "native_decode called before native_decode_supported succeeded"
+    if not callable(fn):
+        raise NativeKernelError("native paged decode: called before native_decode_supported() "
+                                "built the kernel")
+    _check(query.dim() == 3 and k_cache.dim() == 4 and block_table.dim() == 2
+           and ctx_lens.dim() == 1 and out.dim() == 2 and scratch.dim() == 2, "bad ranks")
+    nd, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    _check(all(t.dtype == torch.float32 and t.device.type == "cpu"
+               for t in (query, k_cache, v_cache, out, scratch)),
+           "query, caches, out and scratch must be float32 CPU tensors")
+    _check(block_table.dtype == ctx_lens.dtype == torch.int64
+           and block_table.device.type == ctx_lens.device.type == "cpu",
+           "block_table and ctx_lens must be int64 CPU tensors")
+    _check(v_cache.shape == k_cache.shape and k_cache.is_contiguous()
+           and v_cache.is_contiguous(), "K and V caches must be contiguous and alike")
+    _check(head_dim == cache_head_dim and head_dim % 16 == 0 and num_heads % num_kv_heads == 0,
+           f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)} "
+           "(head_dim a multiple of 16, heads a multiple of KV heads)")
+    _check(query.stride(2) == 1 and query.stride(1) == head_dim, "query heads not contiguous")
+    _check(block_table.shape[0] == nd and block_table.is_contiguous()
+           and tuple(ctx_lens.shape) == (nd,) and ctx_lens.is_contiguous(),
+           "block_table must be [nd, max_blocks] and ctx_lens [nd], contiguous")
+    _check(tuple(out.shape) == (nd, num_heads * head_dim) and out.stride(1) == 1,
+           f"out must be [{nd}, {num_heads * head_dim}] with contiguous rows")
+    _check(scratch.is_contiguous() and scratch.shape[0] >= 1, "scratch must be contiguous")
+    _check(window is None or window >= 0, "window must be None or >= 0")
+    max_blocks, per_thread = block_table.shape[1], scratch.shape[1]
 
-    def run(b0: int, b1: int) -> None:
+    def run(part: int, b0: int, b1: int) -> None:
         rc = fn(query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                block_ids.data_ptr(), max_blocks, ctx_lens.data_ptr(), out.data_ptr(), b0, b1,
-                num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale)
+                num_blocks, block_table.data_ptr(), max_blocks, ctx_lens.data_ptr(),
+                window or 0, out.data_ptr(), out.stride(0),
+                scratch.data_ptr() + part * per_thread * 4, per_thread, b0, b1, num_kv_heads,
+                num_heads // num_kv_heads, head_dim, block_size, scale)
         if rc != 0:
-            raise MemoryError("native decode kernel could not allocate its scratch")
+            raise NativeKernelError(f"native paged decode: {_ERRORS.get(rc, f'error {rc}')}")
 
-    threads = min(torch.get_num_threads(), nd)
+    threads = min(torch.get_num_threads(), nd, scratch.shape[0])
     if threads <= 1:
-        run(0, nd)
-    else:
-        # ctypes drops the GIL during the call, so sequence ranges run in parallel.
-        if _pool is None or _pool_key[0] != os.getpid() or _pool_key[1] < threads:
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="slotserve-attn")
-            _pool_key = (os.getpid(), threads)
-        bounds = [nd * j // threads for j in range(threads + 1)]
-        list(_pool.map(run, bounds[:-1], bounds[1:]))
-    return out
+        run(0, 0, nd)
+        return
+    # ctypes drops the GIL during the call, so sequence ranges run in parallel.
+    if _pool is None or _pool_key[0] != os.getpid() or _pool_key[1] < threads:
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="slotserve-attn")
+        _pool_key = (os.getpid(), threads)
+    bounds = [nd * j // threads for j in range(threads + 1)]
+    list(_pool.map(run, range(threads), bounds[:-1], bounds[1:]))

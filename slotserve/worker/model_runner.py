@@ -9,7 +9,6 @@ samples, because those tokens are the next step's decode inputs.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -19,11 +18,10 @@ import torch
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from slotserve.errors import InvariantViolation
-from slotserve.models.attention import AttentionMetadata, PrefillSpan
+from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.config import ModelConfig
-from slotserve.models.llama import LlamaForCausalLM
+from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
-from slotserve.models.native_attention import native_decode_supported
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
 from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
@@ -39,13 +37,16 @@ def default_device() -> torch.device:
 class ModelRunner:
     def __init__(
         self,
-        model: str | Path | tuple[LlamaForCausalLM, ModelConfig],
+        model: str | Path | tuple[DecoderForCausalLM, ModelConfig],
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         seed: int | None = None,
+        native_attention: bool = True,
     ) -> None:
+        """`native_attention=False` keeps decode attention on the torch path even where the
+        native CPU kernel would build (EngineArgs.native_attention)."""
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
         self.scheduler_config = scheduler_config
@@ -61,10 +62,9 @@ class ModelRunner:
             self.model.init_rope(self.max_model_len + 1)
         if self.device.type == "cpu":
             self.model.prepare_for_cpu()
+        # The attention layer picks its kernels (native decode or torch) for this dtype/device.
+        self.model.init_attention(native_attention)
         cfg = self.model_config
-        if cfg.sliding_window is not None and cfg.sliding_window < self.max_model_len:
-            logger.warning("model has sliding_window=%d < max_model_len=%d; slotserve attends "
-                           "over the full context", cfg.sliding_window, self.max_model_len)
 
         # Decided before the runner is built (EngineCore.from_engine_args), as for the
         # scheduler: both are built from the same CacheConfig.
@@ -78,19 +78,11 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.vocab_size = cfg.vocab_size
         self.last_forward_s = 0.0
-        block_elems = self.block_size * cfg.num_key_value_heads * cfg.head_dim
-        self._gather_k = torch.empty(0, block_elems, dtype=self.dtype, device=self.device)
-        self._gather_v = torch.empty_like(self._gather_k)
-        # Decodes read K/V straight from the blocks when the native kernel builds (CPU fp32).
-        self.native_decode = native_decode_supported(self.dtype, self.device, cfg.head_dim)
 
-    def _gather_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather scratch for attention, grown to the largest step seen (never shrunk)."""
-        if self._gather_k.shape[0] < rows:
-            rows = max(rows, 2 * self._gather_k.shape[0])
-            self._gather_k = self._gather_k.new_empty(rows, self._gather_k.shape[1])
-            self._gather_v = torch.empty_like(self._gather_k)
-        return self._gather_k, self._gather_v
+    @property
+    def native_decode(self) -> bool:
+        """Whether decode attention runs in the native kernel (chosen by the model)."""
+        return self.model.attn_backend is not None and self.model.attn_backend.native
 
     # ---------------------------------------------------------------- state updates
     def _apply_state(self, so: SchedulerOutput) -> None:
@@ -163,7 +155,7 @@ class ModelRunner:
 
     def _prepare_inputs(self, req_ids: list[str], slots: np.ndarray, q_lens: np.ndarray,
                         num_computed: np.ndarray
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadataMap]:
         b, bs, dev = self.batch, self.block_size, self.device
         num_reqs = len(slots)
         cu = np.cumsum(q_lens)
@@ -180,45 +172,12 @@ class ModelRunner:
                 f"{int(positions[bad])} ({int(b.num_blocks[rows[bad]])} blocks held)")
         input_ids = b.token_ids[rows, positions]
         slot_mapping = b.block_table[rows, block_pos] * bs + positions % bs
-
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping).to(dev))
-        nd = int(np.searchsorted(q_lens > 1, True))  # decodes come first
-        if nd:
-            ctx = num_computed[:nd] + 1
-            max_blocks = int(math.ceil(int(ctx.max()) / bs))
-            meta.num_decodes = nd
-            meta.decode_max_blocks = max_blocks
-            table = np.ascontiguousarray(b.block_table[slots[:nd], :max_blocks])
-            if self.native_decode:
-                # The kernel indexes the cache with these unchecked.
-                if int(table.max()) >= self.num_blocks:
-                    raise InvariantViolation(f"block id {int(table.max())} out of range "
-                                             f"({self.num_blocks} blocks)")
-                meta.decode_ctx_lens = torch.from_numpy(ctx)
-            else:
-                allowed = np.arange(max_blocks * bs)[None, :] < ctx[:, None]
-                meta.decode_mask = self._additive_mask(allowed).view(nd, 1, 1, -1)
-            meta.decode_block_ids = torch.from_numpy(table.reshape(-1)).to(dev)
-        for i in range(nd, num_reqs):
-            nc, n = int(num_computed[i]), int(q_lens[i])
-            span = PrefillSpan(start=int(starts[i]), end=int(cu[i]), num_computed=nc)
-            if nc > 0:
-                ctx_len = nc + n
-                nb = math.ceil(ctx_len / bs)
-                span.block_ids = torch.from_numpy(b.block_table[slots[i], :nb].copy()).to(dev)
-                allowed = (np.arange(ctx_len)[None, :]
-                           <= (nc + np.arange(n))[:, None])
-                span.mask = self._additive_mask(allowed).view(1, 1, n, ctx_len)
-            meta.prefills.append(span)
-        gather_rows = max([0 if self.native_decode else nd * meta.decode_max_blocks]
-                          + [s.block_ids.numel() for s in meta.prefills if s.block_ids is not None])
-        if gather_rows:
-            meta.k_buf, meta.v_buf = self._gather_buffers(gather_rows)
+        layout = BatchLayout(
+            block_table=b.block_table, slots=slots, q_lens=q_lens, num_computed=num_computed,
+            num_decodes=int(np.searchsorted(q_lens > 1, True)),  # decodes come first
+            block_size=bs, slot_mapping=torch.from_numpy(slot_mapping).to(dev))
+        meta = self.model.build_attention_metadata(layout)
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta)
-
-    def _additive_mask(self, allowed: np.ndarray) -> torch.Tensor:
-        mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
-        return torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
     def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
         b, dev = self.batch, self.device

@@ -1,0 +1,118 @@
+/* Paged decode attention for the CPU in float32: one query token per sequence, K/V read
+ * straight from the paged cache (see slotserve/models/native_attention.py for why, and for
+ * how this file is built and called).
+ *
+ * One call handles the decodes [b0, b1). Per sequence: scores for every query head in one pass
+ * over its K rows (a token's row holds all KV heads, so blocks are read front to back), a
+ * softmax per head, then one pass over the V rows. Vector types keep the 16-wide dot products
+ * in registers; expf is declared with the vector ABI so the softmax loop calls glibc's libmvec
+ * (when linking it fails, the plain declaration from math.h is used).
+ *
+ * A sliding window of W tokens attends to positions [n - W, n) of a sequence of n tokens
+ * (transformers' rule: key position > query position - W); window <= 0 means the whole
+ * context. Blocks wholly before the window are never read.
+ *
+ * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
+ * lengths, block ids, the scratch size they need) is checked here, before any memory is read.
+ * Nothing is allocated: the caller hands in `scratch` (the scores) and `out`.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef USE_MVEC
+__attribute__((simd("notinbranch"))) float expf(float);
+#endif
+
+enum {
+    SLOTSERVE_OK = 0,
+    SLOTSERVE_BAD_CTX_LEN = 1,   /* a context length < 1 or beyond its block-table row */
+    SLOTSERVE_BAD_BLOCK_ID = 2,  /* a block id outside [0, num_blocks) */
+    SLOTSERVE_SMALL_SCRATCH = 3, /* scratch holds fewer than heads * attended tokens floats */
+};
+
+/* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
+   while a block's row i is used, row i of the sequence's next block is requested. */
+#define PREFETCH_ROW(ptr) \
+    for (int64_t j = 0; j < tok_stride; j += 16) __builtin_prefetch((ptr) + j)
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#ifdef __clang__
+#define SHUF(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+#else
+#define SHUF(x, ...) __builtin_shuffle(x, (v16i){__VA_ARGS__})
+#endif
+
+static inline float hsum(v16 x) {
+    x += SHUF(x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += SHUF(x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += SHUF(x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += SHUF(x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+/* q [nd, kvh * groups, head_dim] (rows q_stride floats apart, heads contiguous),
+   caches [num_blocks, bs, kvh, head_dim] contiguous, block_table [nd, max_blocks],
+   ctx_lens [nd], out [nd, kvh * groups * head_dim] (rows out_stride apart),
+   scratch [scratch_len]. head_dim % 16 == 0. */
+int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_cache,
+        const float* v_cache, int64_t num_blocks, const int64_t* block_table,
+        int64_t max_blocks, const int64_t* ctx_lens, int64_t window, float* out,
+        int64_t out_stride, float* scratch, int64_t scratch_len, int64_t b0, int64_t b1,
+        int64_t kvh, int64_t groups, int64_t head_dim, int64_t bs, float scale) {
+    int64_t nh = kvh * groups, nc = head_dim / 16;
+    int64_t tok_stride = kvh * head_dim, blk_stride = bs * tok_stride;
+    for (int64_t b = b0; b < b1; b++) {
+        int64_t n = ctx_lens[b];
+        if (n < 1 || n > max_blocks * bs) return SLOTSERVE_BAD_CTX_LEN;
+        int64_t lo = window > 0 && n > window ? n - window : 0;  /* first attended position */
+        int64_t span = n - lo;
+        if (nh * span > scratch_len) return SLOTSERVE_SMALL_SCRATCH;
+        const int64_t* blocks = block_table + b * max_blocks;
+        int64_t first = lo / bs, last = (n + bs - 1) / bs;
+        for (int64_t i = first; i < last; i++)
+            if (blocks[i] < 0 || blocks[i] >= num_blocks) return SLOTSERVE_BAD_BLOCK_ID;
+        const float* qb = q + b * q_stride;
+        float* p = scratch;  /* p[hq * span + t - lo]: scores, then probabilities */
+        for (int64_t t0 = first * bs; t0 < n; t0 += bs) {
+            const float* blk = k_cache + blocks[t0 / bs] * blk_stride;
+            const float* next = t0 + bs < n ? k_cache + blocks[t0 / bs + 1] * blk_stride : blk;
+            int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
+            for (int64_t i = i0; i < tn; i++) {
+                PREFETCH_ROW(next + i * tok_stride);
+                for (int64_t hq = 0; hq < nh; hq++) {
+                    const v16* kv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
+                    const v16* qv = (const v16*)(qb + hq * head_dim);
+                    v16 acc = qv[0] * kv[0];
+                    for (int64_t c = 1; c < nc; c++) acc += qv[c] * kv[c];
+                    p[hq * span + t0 + i - lo] = scale * hsum(acc);
+                }
+            }
+        }
+        for (int64_t hq = 0; hq < nh; hq++) {
+            float* ph = p + hq * span;
+            float m = ph[0], sum = 0.0f;
+            for (int64_t t = 1; t < span; t++) m = ph[t] > m ? ph[t] : m;
+#pragma omp simd reduction(+:sum)
+            for (int64_t t = 0; t < span; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
+            float inv = 1.0f / sum;
+            for (int64_t t = 0; t < span; t++) ph[t] *= inv;
+        }
+        v16* acc = (v16*)(out + b * out_stride);
+        memset(acc, 0, sizeof(float) * nh * head_dim);
+        for (int64_t t0 = first * bs; t0 < n; t0 += bs) {
+            const float* blk = v_cache + blocks[t0 / bs] * blk_stride;
+            const float* next = t0 + bs < n ? v_cache + blocks[t0 / bs + 1] * blk_stride : blk;
+            int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
+            for (int64_t i = i0; i < tn; i++) {
+                PREFETCH_ROW(next + i * tok_stride);
+                for (int64_t hq = 0; hq < nh; hq++) {
+                    const v16* vv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
+                    v16 w = (v16){0} + p[hq * span + t0 + i - lo];
+                    for (int64_t c = 0; c < nc; c++) acc[hq * nc + c] += w * vv[c];
+                }
+            }
+        }
+    }
+    return SLOTSERVE_OK;
+}
