@@ -9,6 +9,7 @@ The reference model of the worker's slot table is the invariant checker's own
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ class Harness:
         self.checker = InvariantChecker(sched)
 
     def schedule(self) -> SchedulerOutput:
-        out = self.sched.schedule()
+        out = self.sched.schedule(now=time.monotonic())
         self.checker.on_schedule(out)
         return out
 

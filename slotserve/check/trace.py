@@ -8,7 +8,8 @@ server replays offline, with the invariant checker on, down to the step that bro
     SLOTSERVE_TRACE=/tmp/trace.jsonl slotserve serve ...      # record
     python -m slotserve.check.trace /tmp/trace.jsonl           # replay with the checker
 
-Idle-session timeouts depend on the wall clock and are not replayed.
+Each schedule() call is recorded with the engine's clock (`now`), so idle-session timeouts
+replay at the same step.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ class TraceRecorder:
     def reset_prefix_cache(self, reset_running_requests: bool) -> None:
         self._write({"event": "reset", "reset_running_requests": reset_running_requests})
 
-    def schedule(self, out: SchedulerOutput) -> None:
+    def schedule(self, out: SchedulerOutput, now: float | None = None) -> None:
         self._num_schedules += 1
         self._step_of[id(out)] = self._num_schedules
-        self._write({"event": "schedule", "step": self._num_schedules})
+        self._write({"event": "schedule", "step": self._num_schedules, "now": now})
 
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         self._write({"event": "update", "step": self._step_of.pop(id(out)),
@@ -94,7 +95,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
             elif kind == "reset":
                 scheduler.reset_prefix_cache(e["reset_running_requests"])
             elif kind == "schedule":
-                out = scheduler.schedule()
+                out = scheduler.schedule(now=e.get("now"))
                 if checker is not None:
                     checker.on_schedule(out)
                 outputs[e["step"]] = out

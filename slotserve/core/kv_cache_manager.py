@@ -185,5 +185,18 @@ class KVCacheManager:
         if self.num_cached_block.get(rid, 0) > n_full:
             self.num_cached_block[rid] = n_full
 
+    def unfittable_reason(self, num_tokens: int) -> str | None:
+        """Why a sequence of num_tokens can never run (it could not generate one more token
+        within max_model_len or within the whole cache), or None."""
+        if num_tokens >= self.max_model_len:
+            return (f"the prompt has {num_tokens} tokens; max_model_len is "
+                    f"{self.max_model_len} and at least one token must be generated")
+        usable = self.block_pool.num_usable_blocks
+        if cdiv(num_tokens + 1, self.block_size) > usable:
+            return (f"the prompt has {num_tokens} tokens and needs "
+                    f"{cdiv(num_tokens + 1, self.block_size)} KV blocks; the KV cache has "
+                    f"{usable}")
+        return None
+
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

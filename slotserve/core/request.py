@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from slotserve.errors import RequestValidationError
@@ -69,8 +68,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
-        "num_preemptions", "block_hashes", "streaming_queue", "max_tokens", "last_active_time",
-        "__weakref__",
+        "num_preemptions", "block_hashes", "max_tokens", "__weakref__",
     )
 
     def __init__(
@@ -111,9 +109,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
-        self.streaming_queue: deque[StreamingUpdate | None] | None = None
         self.max_tokens = sampling_params.max_tokens
-        self.last_active_time = self.arrival_time
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property

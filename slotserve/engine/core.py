@@ -102,7 +102,7 @@ class EngineCore:
         # Also true while releases are pending, so a final step delivers them to the worker.
         return self.scheduler.has_requests()
 
-    def has_paused_sessions(self) -> bool:
+    def has_idle_sessions(self) -> bool:
         return self.scheduler.num_waiting_for_streaming_input > 0
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -121,9 +121,9 @@ class EngineCore:
     # ----- the step ---------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        # With only paused sessions a step still runs: schedule() is where idle sessions time
-        # out, so a loop ticks step() now and then while sessions are paused.
-        if not self.scheduler.has_requests() and not self.has_paused_sessions():
+        # With only idle sessions a step still runs: schedule() is where they time out, so a
+        # loop ticks step() now and then while sessions are idle.
+        if not self.scheduler.has_requests() and not self.has_idle_sessions():
             return EngineCoreOutputs()
         cpu_start, schedule_time = time.thread_time(), time.monotonic()
         try:
@@ -134,9 +134,9 @@ class EngineCore:
             self.busy_cpu_s += time.thread_time() - cpu_start
 
     def _step(self, schedule_time: float) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule(now=schedule_time)
         if self.trace is not None:
-            self.trace.schedule(scheduler_output)
+            self.trace.schedule(scheduler_output, schedule_time)
         if self.checker is not None:
             self.checker.on_schedule(scheduler_output)
         scheduled_new = [r.req_id for r in scheduler_output.scheduled_new_reqs]

@@ -8,8 +8,8 @@ One state machine:
        +--------- a step raises -------------> DEAD    (EngineDead goes out first)
 
 While RUNNING it applies the queued requests, then steps; it blocks for input only while the
-core is idle (ticking once a second while sessions are paused: schedule() is where idle ones
-time out), so a busy core steps back to back. Whatever it produces (output batches, utility
+core is idle (ticking once a second while sessions are idle: schedule() is where they time
+out), so a busy core steps back to back. Whatever it produces (output batches, utility
 results, EngineDead) goes to one `send` callable: the client's inbox on a thread, or the pipe
 in a child process. Once it leaves RUNNING, utility calls still queued fail with
 EngineDeadError.
@@ -70,7 +70,7 @@ class EngineCoreLoop:
     def run(self) -> None:
         core = self.core
         while self.state is LoopState.RUNNING:
-            ticking = core.has_paused_sessions()
+            ticking = core.has_idle_sessions()
             if core.has_requests():
                 item = _poll(self.inputs)
             else:

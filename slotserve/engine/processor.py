@@ -85,6 +85,13 @@ class Processor:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
+    def tokenize_chunk(self, prompt: str | list[int], first: bool) -> list[int]:
+        """A session chunk's tokens: only the session's first chunk starts with BOS and
+        friends."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=first))
+        return list(prompt)
+
     def resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)

@@ -256,12 +256,9 @@ class AsyncLLM:
         async def feed() -> None:
             try:
                 async for chunk in inputs:
-                    params = chunk.sampling_params or default_params
-                    prompt = chunk.prompt
-                    if isinstance(prompt, str):
-                        # Only the session's first chunk starts with BOS and friends.
-                        prompt = self.tokenize(prompt, add_special_tokens=state["sent"] == 0)
-                    self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params,
+                    prompt = self.processor.tokenize_chunk(chunk.prompt, state["sent"] == 0)
+                    self.engine.add_request(rid, {"prompt_token_ids": prompt},
+                                            chunk.sampling_params or default_params,
                                             priority=priority, resumable=True,
                                             output_kind=RequestOutputKind.DELTA)
                     state["sent"] += 1
@@ -300,8 +297,8 @@ class AsyncLLM:
                     finished = out.finished
                     if finished and stream.boundaries >= state["sent"] and not any(
                             c.token_ids for c in out.outputs):
-                        # The session ended while paused (its end mark, or an idle
-                        # timeout): the last chunk's finish was already delivered.
+                        # The session ended while idle (its end mark, or a timeout): the
+                        # last chunk's finish was already delivered.
                         break
                     yield out
                     if finished:

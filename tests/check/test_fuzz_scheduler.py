@@ -146,8 +146,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.sched
         assert len(s.slot_ledger.holders) <= s.max_num_running_reqs
         assert all(r.status == RequestStatus.RUNNING for r in s.running)
-        assert all(r.status == RequestStatus.WAITING_FOR_STREAMING_REQ for r in s.paused.values())
-        assert len(s.running) + len(s.waiting) + len(s.paused) == len(s.requests)
+        assert all(r.status == RequestStatus.WAITING_FOR_STREAMING_REQ for r in s.sessions.idle.values())
+        assert len(s.running) + len(s.waiting) + len(s.sessions.idle) == len(s.requests)
 
     def teardown(self) -> None:
         if not hasattr(self, "sched"):
@@ -167,7 +167,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                 sampled_token_ids=sampled))
             # Sessions that paused during the drain are ended as well.
-            for rid in list(s.paused):
+            for rid in list(s.sessions.idle):
                 s.add_request(Request(rid, [0], SamplingParams(max_tokens=1), eos_token_id=EOS))
         else:
             raise AssertionError(f"the scheduler did not drain: {s.requests}")

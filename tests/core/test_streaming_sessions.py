@@ -149,7 +149,7 @@ def test_liveness_two_resumed_sessions_each_holding_part() -> None:
             break
         d.step()
     # Both chunks completed: b after reclaiming the paused a's KV in turn.
-    assert set(d.sched.paused) == {"a", "b"}
+    assert set(d.sched.sessions.idle) == {"a", "b"}
     assert all(len(d.sched.requests[r].output_token_ids) == 1 for r in "ab")
 
 

@@ -46,12 +46,12 @@ def break_scheduler(engine: Any) -> None:
     scheduler = engine.scheduler
     real = scheduler.schedule
 
-    def schedule() -> Any:
+    def schedule(now: float | None = None) -> Any:
         # A step that only delivers the last request's releases still succeeds, so the next
         # request is the one that meets the fault.
         if scheduler.requests:
             raise RuntimeError("scheduler state corrupted (injected)")
-        return real()
+        return real(now)
 
     scheduler.schedule = schedule
 
