@@ -145,8 +145,8 @@ class InprocClient(EngineCoreClient):
 
 
 class _Inbox:
-    """Output batches from a producer thread to the one consumer, blocking or asyncio. Once
-    closed, a consumer that has taken everything gets the closing error."""
+    """Output batches from a producer thread to the one consumer, blocking or on an event
+    loop; once closed, a consumer that has taken everything gets the closing error."""
 
     def __init__(self) -> None:
         self._items: deque[EngineCoreOutputs] = deque()
@@ -154,23 +154,16 @@ class _Inbox:
         self._error: BaseException | None = None
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
 
-    def put(self, item: EngineCoreOutputs) -> None:
+    def put(self, item: EngineCoreOutputs | None, error: BaseException | None = None) -> None:
         with self._cond:
-            self._items.append(item)
-            self._wake()
-
-    def close(self, error: BaseException) -> None:
-        with self._cond:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        self._cond.notify_all()
-        if self._waiter is not None:
-            loop, future = self._waiter
-            self._waiter = None
-            with contextlib.suppress(RuntimeError):  # the consumer's loop has closed
-                loop.call_soon_threadsafe(_set_done, future)
+            if item is not None:
+                self._items.append(item)
+            self._error = self._error or error
+            self._cond.notify_all()
+            if self._waiter is not None:
+                (loop, future), self._waiter = self._waiter, None
+                with contextlib.suppress(RuntimeError):  # the consumer's loop has closed
+                    loop.call_soon_threadsafe(_wake, future)
 
     def _take(self) -> EngineCoreOutputs | None:
         if self._items:
@@ -186,17 +179,16 @@ class _Inbox:
             return item
 
     async def get_async(self) -> EngineCoreOutputs:
-        loop = asyncio.get_running_loop()
         while True:
             with self._cond:
                 if (item := self._take()) is not None:
                     return item
-                future: asyncio.Future[None] = loop.create_future()
-                self._waiter = (loop, future)
+                future = asyncio.get_running_loop().create_future()
+                self._waiter = (asyncio.get_running_loop(), future)
             await future
 
 
-def _set_done(future: asyncio.Future[None]) -> None:
+def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
@@ -270,7 +262,7 @@ class _BackgroundClient(EngineCoreClient):
         for future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(dead)
-        self._inbox.close(dead)
+        self._inbox.put(None, dead)
 
 
 class ThreadClient(_BackgroundClient):

@@ -71,17 +71,14 @@ class EngineCoreLoop:
         core = self.core
         while self.state is LoopState.RUNNING:
             ticking = core.has_idle_sessions()
-            if core.has_requests():
-                item = _poll(self.inputs)
-            else:
-                item = _wait(self.inputs, SESSION_TICK_S if ticking else None)
+            item = _next(self.inputs, not core.has_requests(), SESSION_TICK_S if ticking else None)
             while item is not None and self.state is LoopState.RUNNING:
                 self._apply(*item)
-                item = _poll(self.inputs)
+                item = _next(self.inputs)
             if self.state is LoopState.RUNNING and (core.has_requests() or ticking):
                 self._step()
         error = EngineDeadError("the engine core has stopped")
-        while (item := _poll(self.inputs)) is not None:
+        while (item := _next(self.inputs)) is not None:
             if item[0] is EngineCoreRequestType.UTILITY:
                 self.send(UtilityResult(item[1].call_id, error, failed=True))
 
@@ -117,16 +114,10 @@ class EngineCoreLoop:
             self.send(outputs)
 
 
-def _wait(inputs: queue.SimpleQueue[LoopInput], timeout: float | None) -> LoopInput | None:
+def _next(inputs: queue.SimpleQueue[LoopInput], block: bool = False,
+          timeout: float | None = None) -> LoopInput | None:
     try:
-        return inputs.get(timeout=timeout)
-    except queue.Empty:
-        return None
-
-
-def _poll(inputs: queue.SimpleQueue[LoopInput]) -> LoopInput | None:
-    try:
-        return inputs.get_nowait()
+        return inputs.get(block, timeout)
     except queue.Empty:
         return None
 
@@ -164,11 +155,8 @@ def run_engine_core_process(conn: Connection, args: EngineArgs, threads: int | N
     def send_messages() -> None:
         while True:
             batch = [outbox.get()]
-            while True:
-                try:
-                    batch.append(outbox.get_nowait())
-                except queue.Empty:
-                    break
+            while not outbox.empty():
+                batch.append(outbox.get())
             done = None in batch
             try:
                 conn.send([m for m in batch if m is not None])
