@@ -23,7 +23,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # 0 disables; otherwise a running prefill gets at most this many tokens per step.
     long_prefill_token_threshold: int = 0
-    # A paused streaming session with no new chunk for this long is ended (vLLM PR #53321).
+    # An idle streaming session with no new chunk for this long is ended (vLLM PR #53321).
     streaming_session_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Prometheus metrics, named in the style of vLLM's with a `slotserve:` prefix.
 
 Two sources feed them, and neither runs inside the engine step loop:
-- engine-wide state (running / waiting / paused, KV usage, cumulative counters) is a snapshot of
+- engine-wide state (running / waiting / idle sessions, KV usage, cumulative counters) is a snapshot of
   the engine's stats, read when `/metrics` is scraped and exposed by a custom collector, so the
   exposed counters are exactly the engine's cumulative counts;
 - per-request latencies come from the timestamps the engine records on each request

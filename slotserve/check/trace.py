@@ -8,8 +8,8 @@ server replays offline, with the invariant checker on, down to the step that bro
     SLOTSERVE_TRACE=/tmp/trace.jsonl slotserve serve ...      # record
     python -m slotserve.check.trace /tmp/trace.jsonl           # replay with the checker
 
-Each schedule() call is recorded with the engine's clock (`now`), so idle-session timeouts
-replay at the same step.
+Each schedule() and update_from_output() call is recorded with the engine's clock (`now`), so
+idle-session timeouts replay at the same step.
 """
 
 from __future__ import annotations
@@ -57,14 +57,18 @@ class TraceRecorder:
     def reset_prefix_cache(self, reset_running_requests: bool) -> None:
         self._write({"event": "reset", "reset_running_requests": reset_running_requests})
 
-    def schedule(self, out: SchedulerOutput, now: float | None = None) -> None:
+    def schedule(self, out: SchedulerOutput | None, now: float | None = None) -> None:
+        """Record a schedule(now) call; `out` is None when it raised (the replay raises there
+        too)."""
         self._num_schedules += 1
-        self._step_of[id(out)] = self._num_schedules
+        if out is not None:
+            self._step_of[id(out)] = self._num_schedules
         self._write({"event": "schedule", "step": self._num_schedules, "now": now})
 
-    def update(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
+    def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
+               now: float | None = None) -> None:
         self._write({"event": "update", "step": self._step_of.pop(id(out)),
-                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids})
+                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids, "now": now})
 
     def close(self) -> None:
         self._f.close()
@@ -104,7 +108,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 ids = e["req_ids"]
                 scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
                     req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=e["sampled"]))
+                    sampled_token_ids=e["sampled"]), now=e.get("now"))
     assert scheduler is not None, "empty trace"
     return scheduler, ordered
 

@@ -63,12 +63,14 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         self.slot_ledger = SlotLedger(scheduler_config.max_num_seqs)
-        # Outputs for requests that ended outside update_from_output (ignored, timed out).
-        self._pending_outputs: list[EngineCoreOutput] = []
+        # Outputs of requests that ended outside update_from_output (refused, timed out, ...),
+        # returned by the next update_from_output.
+        self.pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.sessions = StreamingSessions(scheduler_config.streaming_session_timeout_s,
                                           self.kv_cache_manager, self.waiting, self._end_request)
-        # The engine's clock as of the latest schedule(now): idle sessions time out against it.
+        # The engine's clock as of the latest schedule(now) or update_from_output(..., now):
+        # sessions go idle and time out against it.
         self.now = 0.0
 
     # ------------------------------------------------------------------ requests in and out
@@ -89,7 +91,7 @@ class Scheduler:
         reason = self.kv_cache_manager.unfittable_reason(request.num_tokens)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
-            self._pending_outputs.append(EngineCoreOutput(
+            self.pending_outputs.append(EngineCoreOutput(
                 request.request_id, [], "length", finished=True, finish_message=reason))
             return
         self.requests[request.request_id] = request
@@ -133,7 +135,7 @@ class Scheduler:
         end or timeout, a sequence that outgrew the cache): free it and report its end."""
         request.status = status
         self._free_request(request)
-        self._pending_outputs.append(EngineCoreOutput(
+        self.pending_outputs.append(EngineCoreOutput(
             request.request_id, [], request.get_finished_reason(), finished=True,
             finish_message=message))
 
@@ -360,9 +362,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = self._pending_outputs
-        self._pending_outputs = []
+                           model_runner_output: ModelRunnerOutput,
+                           now: float | None = None) -> list[EngineCoreOutput]:
+        """Apply the model's answer to an output. `now`, as for schedule(), is when a session
+        that stops here goes idle."""
+        if now is not None:
+            self.now = now
+        outputs = self.pending_outputs
+        self.pending_outputs = []
         sampled = model_runner_output.sampled_token_ids
         index_of = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -417,7 +424,7 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running or self.finished_req_ids
-                    or self.preempted_req_ids or self._pending_outputs)
+                    or self.preempted_req_ids or self.pending_outputs)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0

@@ -148,14 +148,15 @@ class EngineCore:
         self.total_forward_s += self.model_runner.last_forward_s
         if self.checker is not None:
             self.checker.check_worker_slots(self.model_runner.slots)
+        now = time.monotonic()
         if self.trace is not None:
-            self.trace.update(scheduler_output, model_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        # Drained means nothing at all: paused sessions still hold KV and a slot.
+            self.trace.update(scheduler_output, model_output, now)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+        # Drained means nothing at all: idle sessions still hold KV and a slot.
         if (self.checker is not None and not self.scheduler.requests
                 and not self.scheduler.has_requests()):
             self.checker.assert_drained()
-        return EngineCoreOutputs(outputs, schedule_time, time.monotonic(), scheduled_new)
+        return EngineCoreOutputs(outputs, schedule_time, now, scheduled_new)
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
                    exc: Exception) -> list[EngineCoreOutput]:
