@@ -96,7 +96,8 @@ class Harness:
     def step(self, token: int | dict[str, int] = 42
              ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         out = self.schedule()
-        return out, self.sched.update_from_output(out, sample_for(self.sched, out, token))
+        return out, self.sched.update_from_output(out, sample_for(self.sched, out, token),
+                                                  now=time.monotonic())
 
     def run_until_idle(self, token: int = 42, max_steps: int = 10_000) -> int:
         steps = 0

@@ -331,7 +331,7 @@ class Scheduler:
                       new_blocks_of: dict[str, list[KVCacheBlock]]) -> SchedulerOutput:
         get_block_ids = self.kv_cache_manager.get_block_ids
         new_data = [
-            NewRequestData(r.request_id, list(r.prompt_token_ids), list(r._all_token_ids),
+            NewRequestData(r.request_id, list(r.prompt_token_ids), list(r.all_token_ids),
                            get_block_ids(r.request_id), r.num_computed_tokens, r.sampling_params,
                            r.num_output_tokens, r.eos_token_id)
             for r in scheduled_new

@@ -7,8 +7,8 @@ name). A chunk that arrives meanwhile is folded in when the session is promoted,
 session comes back in scheduled_new_reqs with all its blocks. A non-resumable request with the
 session's id ends it, and so does an idle timeout.
 
-Time enters as an argument (`now`, the engine's clock, given to Scheduler.schedule), so a
-recorded trace replays idle timeouts exactly.
+Time enters as an argument (`now`, the engine's clock, given to Scheduler.schedule and
+update_from_output), so a recorded trace replays idle timeouts exactly.
 """
 
 from __future__ import annotations
