@@ -244,8 +244,7 @@ class OutputProcessor:
                 self._chunk_boundary(group)
         return request_outputs, to_abort
 
-    def _end_idle(self, group: RequestGroup, out: EngineCoreOutput,
-                    now: float) -> RequestOutput:
+    def _end_idle(self, group: RequestGroup, out: EngineCoreOutput, now: float) -> RequestOutput:
         seq = group.seqs[0]
         seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         seq.finish_message = out.finish_message
