@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -138,6 +138,26 @@ class OpenAIServing:
         if result is None:
             return Response(status_code=499)
         return json_response(result)
+
+    @staticmethod
+    async def sse_frames(opening: list[str], first: tuple[int, RequestOutput], rest: Outputs,
+                         frames_for: Callable[[int, RequestOutput], list[str]],
+                         usage: Callable[[], str]) -> AsyncIterator[str]:
+        """One write per engine output (each socket send costs more than building the JSON);
+        the usage event (when asked for) goes out together with [DONE]."""
+        tail = ""
+        try:
+            if head := opening + frames_for(*first):
+                yield "".join(head)
+            async for i, out in rest:
+                if frames := frames_for(i, out):
+                    yield "".join(frames)
+            tail = usage()
+        except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
+            tail = stream_error(exc)
+        finally:
+            await rest.aclose()
+        yield tail + SSE_DONE
 
     async def stream(self, raw: Request, outputs: Outputs,
                      frames: Any) -> Any:
