@@ -147,7 +147,7 @@ class SlotserveEngine:
                                                           ignore_eos=True), use_tqdm=False)
 
     def run(self) -> Run:
-        core = self.llm.llm_engine.engine_core
+        core = self.llm.llm_engine.engine_core.engine_core
         core.total_forward_s, core.num_steps = 0.0, 0
         wall, cpu = time.perf_counter(), time.process_time()
         outs = self.llm.generate(self.inputs, self.params, use_tqdm=False)

@@ -1,14 +1,20 @@
-"""Engine settings, split as in vLLM: what the scheduler needs and what the KV cache needs."""
+"""Engine configuration, split as in vLLM, and decided once.
+
+`EngineArgs` (engine/args.py) holds what a user asked for; what the engine finds at startup
+(the KV blocks a memory budget buys, the context length that cache can hold) is decided before
+any component is built, and the frozen records below are handed to all of them, so no two
+components can disagree about `max_model_len` or `num_blocks`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from slotserve.errors import RequestValidationError
+from slotserve.errors import ConfigError
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -17,31 +23,47 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # 0 disables; otherwise a running prefill gets at most this many tokens per step.
     long_prefill_token_threshold: int = 0
-    # A paused streaming session with no new chunk for this long is ended (vLLM PR #53321).
+    # An idle streaming session with no new chunk for this long is ended (vLLM PR #53321).
     streaming_session_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
-            raise RequestValidationError(f"unknown policy {self.policy!r}", "policy")
+            raise ConfigError(f"unknown policy {self.policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
-                raise RequestValidationError(f"{name} must be >= 1", name)
+                raise ConfigError(f"{name} must be >= 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step, or it would block the queue.
-            raise RequestValidationError(
-                "without chunked prefill max_num_batched_tokens must be >= max_model_len",
-                "max_num_batched_tokens")
+            raise ConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}; long prompts could never be scheduled "
+                "without chunked prefill")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
+    num_blocks: int
     block_size: int = 16
-    num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
-            raise RequestValidationError("block_size must be >= 1", "block_size")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise RequestValidationError("num_blocks must be >= 2 (block 0 is the null block)",
-                                         "num_blocks")
+            raise ConfigError("block_size must be >= 1")
+        if self.num_blocks < 2:
+            raise ConfigError("num_blocks must be >= 2 (block 0 is the null block)")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What every part of one engine is built from, decided at startup."""
+
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    # Run the invariant checker on every step (--check; SLOTSERVE_CHECK=1 at the entry).
+    check: bool = False
+    # Record every scheduler event here for a replay (SLOTSERVE_TRACE=PATH at the entry).
+    trace_path: str | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len

@@ -19,6 +19,10 @@ class RequestValidationError(SlotServeError, ValueError):
         self.param = param
 
 
+class ConfigError(SlotServeError, ValueError):
+    """The engine's settings are inconsistent or do not fit the model or the memory."""
+
+
 class SlotOverflowError(AssertionError):
     """The worker slot table was asked for a slot while full.
 
@@ -36,4 +40,4 @@ class ModelLoadError(SlotServeError):
 
 
 class EngineDeadError(SlotServeError):
-    """The engine loop failed and cannot continue."""
+    """The engine core failed, or its process died, and cannot continue."""

@@ -1,7 +1,7 @@
 """Prometheus metrics, named in the style of vLLM's with a `slotserve:` prefix.
 
 Two sources feed them, and neither runs inside the engine step loop:
-- engine-wide state (running / waiting / paused, KV usage, cumulative counters) is a snapshot of
+- engine-wide state (running / waiting / idle sessions, KV usage, cumulative counters) is a snapshot of
   the engine's stats, read when `/metrics` is scraped and exposed by a custom collector, so the
   exposed counters are exactly the engine's cumulative counts;
 - per-request latencies come from the timestamps the engine records on each request
@@ -10,14 +10,16 @@ Two sources feed them, and neither runs inside the engine step loop:
 
 from __future__ import annotations
 
-import math
+import itertools
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from slotserve.engine.messages import EngineStats
+from slotserve.outputs import RequestOutput
 
 PREFIX = "slotserve:"
 
@@ -29,43 +31,32 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                     30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
-# (metric suffix, help, stats attribute names tried in order)
-_GAUGES = (
-    ("num_requests_running", "Number of requests in the running batch.", ("num_running_reqs",)),
+# (metric suffix, help, how to read it from the engine's stats)
+_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+    ("num_requests_running", "Number of requests in the running batch.",
+     lambda s: s.num_running_reqs),
     ("num_requests_waiting", "Number of requests waiting to be scheduled.",
-     ("num_waiting_reqs",)),
+     lambda s: s.num_waiting_reqs),
     ("num_paused_sessions", "Streaming-input sessions paused between chunks (holding KV + slot).",
-     ("num_paused_sessions",)),
+     lambda s: s.num_paused_sessions),
     ("kv_cache_usage_perc", "Fraction of usable KV cache blocks in use (0 to 1).",
-     ("kv_cache_usage",)),
+     lambda s: s.kv_cache_usage),
 )
-_COUNTERS = (
+_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-     ("prefix_cache_queries",)),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", ("prefix_cache_hits",)),
-    ("num_preemptions", "Cumulative number of preemptions.", ("num_preemptions",)),
-    ("prompt_tokens", "Prompt tokens processed (prefilled).",
-     ("num_prompt_tokens", "prompt_tokens", "prompt_tokens_total")),
-    ("generation_tokens", "Tokens generated.",
-     ("num_generation_tokens", "generation_tokens", "generation_tokens_total")),
-)
-# How busy the front keeps the engine's step loop (engine_loop.LoopStats).
-_LOOP_COUNTERS = (
-    ("engine_loop_steps", "Steps the engine loop ran.", ("num_steps",)),
+     lambda s: s.prefix_cache_queries),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.prefix_cache_hits),
+    ("num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
+    ("prompt_tokens", "Prompt tokens processed (prefilled).", lambda s: s.prompt_tokens_total),
+    ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens_total),
+    # How busy the front keeps the engine core's step loop.
+    ("engine_loop_steps", "Steps the engine loop ran.", lambda s: s.num_steps),
     ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().",
-     ("busy_s",)),
+     lambda s: s.busy_s),
     ("engine_loop_busy_cpu_seconds", "CPU seconds the engine loop thread spent inside step().",
-     ("busy_cpu_s",)),
+     lambda s: s.busy_cpu_s),
 )
-
-
-def stat_value(stats: Any, names: tuple[str, ...]) -> float:
-    """Read a stat by its first present name; engines may hand a dataclass or a dict."""
-    for name in names:
-        value = stats.get(name) if isinstance(stats, Mapping) else getattr(stats, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
 
 
 class _EngineStatsCollector(Collector):
@@ -75,18 +66,13 @@ class _EngineStatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._owner.stats
         labels = [self._owner.model_name]
-        for suffix, doc, names in _GAUGES:
+        for suffix, doc, read in _GAUGES:
             g = GaugeMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
-            g.add_metric(labels, stat_value(stats, names) if stats is not None else 0.0)
+            g.add_metric(labels, float(read(stats)) if stats is not None else 0.0)
             yield g
-        for suffix, doc, names in _COUNTERS:
+        for suffix, doc, read in _COUNTERS:
             c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
-            c.add_metric(labels, stat_value(stats, names) if stats is not None else 0.0)
-            yield c
-        loop = self._owner.loop_stats
-        for suffix, doc, names in _LOOP_COUNTERS:
-            c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
-            c.add_metric(labels, stat_value(loop, names) if loop is not None else 0.0)
+            c.add_metric(labels, float(read(stats)) if stats is not None else 0.0)
             yield c
 
 
@@ -96,8 +82,8 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.stats: Any = None
-        self.loop_stats: Any = None
+        # The engine's stats, read when /metrics is scraped.
+        self.stats: EngineStats | None = None
         self._lock = threading.Lock()
         self.registry.register(_EngineStatsCollector(self))
         lab = ["model_name"]
@@ -121,39 +107,23 @@ class ServerMetrics:
         self._e2e = self.e2e.labels(model_name)
         self._queue = self.queue_time.labels(model_name)
 
-    def set_stats(self, stats: Any, loop_stats: Any = None) -> None:
-        self.stats = stats
-        if loop_stats is not None:
-            self.loop_stats = loop_stats
-
-    def observe_itl(self, interval_s: float, num_tokens: int = 1) -> None:
-        # Tokens that arrive together in one output share the interval evenly.
-        if num_tokens <= 0 or not math.isfinite(interval_s) or interval_s < 0:
+    def record_finished(self, out: RequestOutput) -> None:
+        """A finished request: its end, and the latencies from the engine's timestamps."""
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.request_success.labels(self.model_name, reason or "unknown").inc()
+        m = out.metrics
+        if m is None:
             return
-        per_token = interval_s / num_tokens
-        for _ in range(num_tokens):
-            self._itl.observe(per_token)
-
-    def observe_first_token(self, arrival_time: float | None,
-                            first_token_time: float | None) -> None:
-        if arrival_time is not None and first_token_time is not None:
-            self._ttft.observe(max(0.0, first_token_time - arrival_time))
-
-    def observe_finished(self, metrics: Any, finish_reason: str | None) -> None:
-        """Record a request's end from the timestamps the engine stamped on it."""
-        self.request_success.labels(self.model_name, finish_reason or "unknown").inc()
-        if metrics is None:
-            return
-        arrival = getattr(metrics, "arrival_time", None)
-        scheduled = getattr(metrics, "first_scheduled_time", None)
-        finished = getattr(metrics, "finished_time", None) or getattr(
-            metrics, "last_token_time", None)
-        if arrival is None:
-            return
-        if scheduled:
-            self._queue.observe(max(0.0, scheduled - arrival))
+        if m.first_scheduled_time:
+            self._queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        finished = m.finished_time or m.last_token_time
         if finished:
-            self._e2e.observe(max(0.0, finished - arrival))
+            self._e2e.observe(max(0.0, finished - m.arrival_time))
+        if m.first_token_time is not None:
+            self._ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        for a, b in itertools.pairwise(m.token_times):
+            if b >= a:
+                self._itl.observe(b - a)
 
     def render(self) -> bytes:
         with self._lock:

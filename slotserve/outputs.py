@@ -40,18 +40,6 @@ class RequestMetrics:
     # One entry per step that produced tokens: the time the engine saw them.
     token_times: list[float] = field(default_factory=list)
 
-    @property
-    def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
-
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -70,9 +58,6 @@ class CompletionOutput:
     # Why the engine refused or ended the sequence itself (a prompt that can never fit, an
     # idle streaming session, a failed forward pass); None otherwise.
     finish_message: str | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

@@ -44,7 +44,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Filled by the engine: max_tokens clipped to the context left after the prompt.
+    # `stop` as a list, checked once here.
     _stop_list: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -97,11 +97,7 @@ class SamplingParams:
     def stop_strings(self) -> list[str]:
         return self._stop_list
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-5
-
     def clone(self, **changes: object) -> SamplingParams:
         values = {f: getattr(self, f) for f in self.__dataclass_fields__ if not f.startswith("_")}
         values.update(changes)
-        return SamplingParams(**values)  # type: ignore[arg-type]
+        return SamplingParams(**values)

@@ -15,15 +15,14 @@ renamings and abstractions merge states that differ only in names:
 - Block ids become their rank in a traversal (request tables in canonical order, then the free
   queue, then any block reached neither way, by id). Blocks are only compared for identity and
   handed out in free-queue order; the null block is never renamed.
-- Times become what can still be compared: arrival times their rank; for a paused session,
+- Times become what can still be compared: arrival times their rank; for an idle session,
   its idle time in whole seconds up to just past the longest idle threshold (past it, every
   future comparison is decided); for the expiry check, whether it is due. The harness clock
   moves by whole-second jumps (Tick) plus drift far below a second, so these values decide
   every future comparison.
 
 Left out because no control flow reads them: counters (preemptions, prefix-cache stats, the
-checker's step count), num_cached_tokens, stop_reason and ignored_reason (reported, never
-read back), sampling fields the scheduler never reads (constant in the vocabulary anyway),
+checker's step count), num_cached_tokens and stop_reason (reported, never read back), sampling fields the scheduler never reads (constant in the vocabulary anyway),
 and the worker's slot indices (only the set of holders decides whether a claim fails). Block
 hashes are content hashes, kept as small interned numbers. The key is a 128-bit digest of the
 form: a collision among a million states has a probability near 1e-27.
@@ -38,7 +37,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from slotserve.check.events import idle_thresholds
-from slotserve.core.request import RequestStatus
 
 if TYPE_CHECKING:
     from slotserve.check.harness import Harness
@@ -78,7 +76,7 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
     ids: set[str] = set(requests)
     ids.update(s.finished_req_ids, s.preempted_req_ids, ledger.holders, worker_tables,
                h.slots.req_id_to_index, tables)
-    for o in s._pending_outputs:
+    for o in s.pending_outputs:
         ids.add(o.request_id)
     for out, _ in h.in_flight:
         ids.update(out.num_scheduled_tokens)
@@ -86,10 +84,10 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
     rid = {r: i for i, r in enumerate(order)}
 
     # --- times: arrival ranks over requests and queued session chunks.
+    sessions = s.sessions
     times = [r.arrival_time for r in requests.values()]
-    for r in requests.values():
-        if r.streaming_queue:
-            times.extend(u.arrival_time for u in r.streaming_queue if u is not None)
+    for chunks in sessions.queued.values():
+        times.extend(u.arrival_time for u in chunks if u is not None)
     times.sort()
     time_rank = {t: i for i, t in enumerate(times)}
     now = h.now
@@ -132,22 +130,21 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
         return (tuple(u.prompt_token_ids), params_form(u.sampling_params),
                 time_rank[u.arrival_time], u.priority, u.eos_token_id)
 
-    paused_status = RequestStatus.WAITING_FOR_STREAMING_REQ
     request_forms = []
     for req_id in order:
         if req_id not in requests:
             continue
         r = requests[req_id]
         idle = -1
-        if r.status == paused_status:
+        if req_id in sessions.idle:
             # Whole seconds: the clock jumps by whole seconds, plus drift far below 0.5 s.
-            idle = min(round(now - r.last_active_time), idle_cap)
-        queue = None if r.streaming_queue is None else tuple(
-            [update_form(u) for u in r.streaming_queue])
+            idle = min(round(now - sessions.idle_since[req_id]), idle_cap)
+        queued = sessions.queued.get(req_id)
+        queue = None if queued is None else tuple([update_form(u) for u in queued])
         request_forms.append((
             rid[req_id], int(r.status), tuple(r.prompt_token_ids), tuple(r.all_token_ids),
-            len(r.output_token_ids), r.num_computed_tokens, r.num_prompt_tokens, r.max_tokens,
-            params_form(r.sampling_params), r.eos_token_id, r._eos_token_id, r.priority,
+            len(r.output_token_ids), r.num_computed_tokens, r.max_tokens,
+            params_form(r.sampling_params), r.eos_token_id, r.priority,
             time_rank[r.arrival_time], r.resumable, r.cache_salt,
             tuple([hid(x) for x in r.block_hashes]), queue, idle))
 
@@ -159,10 +156,10 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
         tuple(request_forms),
         tuple([rid[r.request_id] for r in s.running]),
         tuple([rid[r.request_id] for r in s.waiting]),  # FCFS: queue order; priority: sorted
-        tuple([rid[r] for r in s.paused]),
+        tuple([rid[r] for r in sessions.idle]),
         _ranks(s.finished_req_ids, rid),
         _ranks(s.preempted_req_ids, rid),
-        tuple([(rid[o.request_id], o.finish_reason, o.finished) for o in s._pending_outputs]),
+        tuple([(rid[o.request_id], o.finish_reason, o.finished) for o in s.pending_outputs]),
         _ranks(ledger.holders, rid),
         _ranks(ledger.releasing, rid),
         ledger.claimed_this_step,
@@ -179,7 +176,7 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
         tuple([(tuple([rid[r] for r in out.num_scheduled_tokens]),
                 tuple([rid[r] for r in samplers])) for out, samplers in h.in_flight]),
         tuple([rid[r] for r in h.open_sessions]),
-        now >= s._next_timeout_check,
+        now >= sessions.next_timeout_check,
     )
 
 

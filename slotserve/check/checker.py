@@ -16,7 +16,6 @@ InvariantViolation naming the request and the rule the moment they disagree:
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from slotserve.core.request import RequestStatus
@@ -26,12 +25,6 @@ if TYPE_CHECKING:
     from slotserve.core.outputs import SchedulerOutput
     from slotserve.core.scheduler import Scheduler
     from slotserve.worker.slots import RequestSlots
-
-
-def checking_enabled(check: bool | None = None) -> bool:
-    if check is not None:
-        return check
-    return os.environ.get("SLOTSERVE_CHECK", "") not in ("", "0", "false", "False")
 
 
 def _fail(rule: str, message: str) -> None:
@@ -130,9 +123,9 @@ class InvariantChecker:
         if sched.slot_ledger.holders != tables.keys():
             _fail("ledger", f"ledger {sorted(sched.slot_ledger.holders)} != worker model "
                   f"{sorted(tables)}")
-        for rid in sched.running:
-            if rid.request_id not in tables:
-                _fail("running holds slot", f"running request {rid.request_id!r} has no slot")
+        for r in sched.running:
+            if r.request_id not in tables:
+                _fail("running holds slot", f"running request {r.request_id!r} has no slot")
         if self.num_steps % self.full_block_scan_every == 0:
             self.check_blocks()
 

@@ -14,9 +14,8 @@ the same event means the same thing in every state that is equal up to renaming 
 
 Time: the harness's clock `now` moves only by `Tick` (a whole-second jump past an idle
 threshold) and by a negligible drift per event (so arrival times stay distinct and ordered).
-Sessions read it through `slotserve.check.clock` while the caller is inside `logical_time()`;
-once the scheduler takes `now` as an argument, `Schedule` and the session events pass `h.now`
-instead.
+The harness hands it to the scheduler with every schedule(), as the engine hands its clock,
+so a timeout happens at a chosen event and a recorded trace reproduces it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from slotserve.check.clock import CLOCK
 from slotserve.core.request import Request, RequestStatus
 from slotserve.errors import InvariantViolation
 from slotserve.sampling_params import SamplingParams
@@ -133,7 +131,7 @@ class Chunk:
     def choices(cls, h: Harness, m: Menu) -> Iterator[Chunk]:
         for k, rid in enumerate(h.open_sessions):
             r = h.sched.requests[rid]
-            if r.streaming_queue:
+            if h.sched.sessions.queued.get(rid):
                 continue  # one queued chunk per session is enough to cover the queue path
             for prompt, max_tokens in itertools.product(m.chunks, m.max_tokens):
                 yield cls(k, prompt, max_tokens, r.priority)
@@ -226,8 +224,9 @@ class Schedule:
 
     @classmethod
     def choices(cls, h: Harness, m: Menu) -> Iterator[Schedule]:
-        # EngineCore steps only with requests, pending releases or paused sessions.
-        if len(h.in_flight) < m.max_in_flight and (h.sched.has_requests() or h.sched.paused):
+        # EngineCore steps only with requests, pending releases or idle sessions.
+        if len(h.in_flight) < m.max_in_flight and (h.sched.has_requests()
+                                                   or h.sched.sessions.idle):
             yield cls()
 
 
@@ -282,7 +281,7 @@ class FailStep:
 
 
 def idle_thresholds(sched: Scheduler) -> tuple[float, ...]:
-    """The idle durations the scheduler compares a paused session's idle time against: the
+    """The idle durations the scheduler compares an idle session's idle time against: the
     jumps `Tick` makes, and what the canonical state keeps of idle times."""
     return (sched.scheduler_config.streaming_session_timeout_s,)
 
@@ -295,20 +294,18 @@ class Tick:
 
     def apply(self, h: Harness) -> None:
         h.now += self.seconds
-        CLOCK.now = h.now
-        if h.recorder is not None:
-            h.recorder.clock(h.now)
 
     def __str__(self) -> str:
         return f"clock +{self.seconds:g} s"
 
     @classmethod
     def choices(cls, h: Harness, m: Menu) -> Iterator[Tick]:
-        if not m.ticks or not h.sched.paused:
+        sessions = h.sched.sessions
+        if not m.ticks or not sessions.idle:
             return
-        idle = [h.now - r.last_active_time for r in h.sched.paused.values()]
+        idle = [h.now - since for since in sessions.idle_since.values()]
         for t in idle_thresholds(h.sched):
-            # A jump matters only while some paused session has not yet been idle past t.
+            # A jump matters only while some idle session has not yet been idle past t.
             if min(idle) <= t:
                 yield cls(float(math.ceil(t)) + 1.0)
 

@@ -29,7 +29,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from slotserve.check.canonical import canonical_key
-from slotserve.check.clock import logical_time
 from slotserve.check.events import Event, Menu, enabled_events
 from slotserve.check.harness import Harness, Wedge
 from slotserve.check.trace import TraceRecorder
@@ -37,7 +36,7 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.scheduler import Scheduler
 
 # The states of interest the CI exploration must reach (Harness effects).
-REQUIRED_EFFECTS = ("preemption", "prefix hit", "paused session holds a slot",
+REQUIRED_EFFECTS = ("preemption", "prefix hit", "idle session holds a slot",
                     "reset with running requests")
 
 
@@ -117,8 +116,7 @@ class Report:
 
 def explore(cfg: ExploreConfig, trace_path: str | None = None,
             check_merges: bool = False) -> Report:
-    with logical_time():
-        return _Search(cfg, check_merges).run(trace_path)
+    return _Search(cfg, check_merges).run(trace_path)
 
 
 class _Search:
@@ -310,17 +308,15 @@ def write_trace(cfg: ExploreConfig, events: list[Event], path: str) -> None:
     """Replay events from an empty engine with a recorder attached; the trace ends with the
     event that failed (a wedge's events include the drain that did not finish)."""
     sched = cfg.scheduler()
-    with logical_time():
-        h = Harness(sched)
-        h.recorder = TraceRecorder(path, sched.scheduler_config, sched.cache_config)
-        h.recorder.clock(h.now)
-        try:
-            for ev in events:
-                h.apply(ev)
-        except Exception:  # noqa: BLE001, S110 - the failure is what the trace records
-            pass
-        finally:
-            h.recorder.close()
+    h = Harness(sched)
+    h.recorder = TraceRecorder(path, sched.scheduler_config, sched.cache_config)
+    try:
+        for ev in events:
+            h.apply(ev)
+    except Exception:  # noqa: BLE001, S110 - the failure is what the trace records
+        pass
+    finally:
+        h.recorder.close()
 
 
 def _tuple_list(text: str) -> tuple[tuple[int, ...], ...]:

@@ -3,9 +3,9 @@
 `Harness` holds the invariant checker, the worker's real `RequestSlots` table, the outputs
 scheduled but not yet answered by the model (several may be in flight, so pipelined steps
 interleave with other events), the sessions the client may still send chunks to, and a logical
-clock. `apply(event)` runs one event of slotserve.check.events and checks the invariants after
-it; `drain()` is the liveness check: end every session, answer with tokens, step until nothing
-is held.
+clock `now`, which it hands the scheduler (and a trace) with every schedule(). `apply(event)`
+runs one event of slotserve.check.events and checks the invariants after it; `drain()` is the
+liveness check: end every session, answer with tokens, step until nothing is held.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from slotserve.check.checker import InvariantChecker
-from slotserve.check.clock import CLOCK
 from slotserve.check.events import PREEMPTED, RUNNING, EndSession, Schedule, Update
 from slotserve.check.trace import TraceRecorder
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
 # Clock drift per event: far below the 1 s expiry-check interval over any depth we explore.
 EPS = 1e-6
 
-PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
+IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
 
 
 @dataclass(slots=True)
@@ -56,7 +55,6 @@ class Harness:
     def apply(self, event: Event) -> None:
         self.effects = set()
         self.now += EPS
-        CLOCK.now = self.now
         hits = self.sched.kv_cache_manager.prefix_cache_stats.hits
         event.apply(self)
         if self.sched.kv_cache_manager.prefix_cache_stats.hits > hits:
@@ -70,16 +68,17 @@ class Harness:
         if not all(r.status == RUNNING for r in s.running):
             raise InvariantViolation(f"[state] running holds a request that is not RUNNING: "
                                      f"{s.running}")
-        if not all(r.status == PAUSED for r in s.paused.values()):
-            raise InvariantViolation(f"[state] paused holds a request that is not paused: "
-                                     f"{list(s.paused.values())}")
-        if len(s.running) + len(s.waiting) + len(s.paused) != len(s.requests):
+        idle = s.sessions.idle
+        if not all(r.status == IDLE for r in idle.values()):
+            raise InvariantViolation(f"[state] the idle sessions hold a request that is not "
+                                     f"idle: {list(idle.values())}")
+        if len(s.running) + len(s.waiting) + len(idle) != len(s.requests):
             raise InvariantViolation(
-                f"[state] running {len(s.running)} + waiting {len(s.waiting)} + paused "
-                f"{len(s.paused)} != {len(s.requests)} requests")
+                f"[state] running {len(s.running)} + waiting {len(s.waiting)} + idle "
+                f"{len(idle)} != {len(s.requests)} requests")
         self.checker.check_blocks()
-        if any(rid in s.slot_ledger.holders for rid in s.paused):
-            self.effects.add("paused session holds a slot")
+        if any(rid in s.slot_ledger.holders for rid in idle):
+            self.effects.add("idle session holds a slot")
 
     def new_request_id(self) -> str:
         self.next_seq += 1
@@ -103,15 +102,15 @@ class Harness:
         running = list(s.running)
         holds = s.kv_cache_manager.holds_blocks
         idle_kv = [rid for rid, r in s.requests.items() if r.status != RUNNING and holds(rid)]
-        paused = list(s.paused)
+        idle = list(s.sessions.idle)
         try:
-            out = s.schedule()
+            out = s.schedule(now=self.now)
         except BaseException:
             if self.recorder is not None:
-                self.recorder.schedule(None)
+                self.recorder.schedule(None, self.now)
             raise
         if self.recorder is not None:
-            self.recorder.schedule(out)
+            self.recorder.schedule(out, self.now)
         self.checker.on_schedule(out)
         released = out.released_req_ids
         for new in out.scheduled_new_reqs:
@@ -127,8 +126,8 @@ class Harness:
             self.effects.add("preemption")
         if any(rid in requests and not holds(rid) for rid in idle_kv):
             self.effects.add("idle KV reclaimed")
-        if any(rid not in requests for rid in paused):
-            self.effects.add("paused session timed out")
+        if any(rid not in requests for rid in idle):
+            self.effects.add("idle session timed out")
         if len(self.slots) == self.slots.max_num_reqs and s.waiting:
             self.effects.add("all slots held, a request waits")
         return out
@@ -148,13 +147,13 @@ class Harness:
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[list(tokens.get(r, ())) for r in ids])
         if self.recorder is not None:
-            self.recorder.update(out, mro)
-        paused = len(self.sched.paused)
-        for o in self.sched.update_from_output(out, mro):
+            self.recorder.update(out, mro, self.now)
+        idle = len(self.sched.sessions.idle)
+        for o in self.sched.update_from_output(out, mro, now=self.now):
             if o.finished and o.request_id in self.open_sessions:
                 self.open_sessions.remove(o.request_id)
-        if len(self.sched.paused) > paused:
-            self.effects.add("session paused")
+        if len(self.sched.sessions.idle) > idle:
+            self.effects.add("session went idle")
 
     def fail_step(self) -> None:
         """The model step of the oldest in-flight output raised: EngineCore._fail_step."""
@@ -181,7 +180,7 @@ class Harness:
             move(Update.plain(self))
         steps = 0
         s = self.sched
-        while s.has_requests() or s.paused:
+        while s.has_requests() or s.sessions.idle:
             if known is not None and (rest := known(self)) is not None:
                 steps += rest
                 break
@@ -189,7 +188,7 @@ class Harness:
                 raise Wedge(
                     f"[wedge] not drained after {max_steps} steps with every session ended "
                     f"and the model sampling: running {s.running}, waiting {list(s.waiting)}, "
-                    f"paused {list(s.paused.values())}, slots {sorted(self.slots.holders)}")
+                    f"idle {list(s.sessions.idle.values())}, slots {sorted(self.slots.holders)}")
             move(Schedule())
             move(Update.plain(self))
             steps += 1

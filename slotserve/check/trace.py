@@ -8,21 +8,18 @@ server replays offline, with the invariant checker on, down to the step that bro
     SLOTSERVE_TRACE=/tmp/trace.jsonl slotserve serve ...      # record
     python -m slotserve.check.trace /tmp/trace.jsonl           # replay with the checker
 
-Idle-session timeouts depend on the wall clock and are not replayed, except in traces that
-carry `clock` records (written by the checks' logical clock, slotserve.check.clock): those
-replay with session time set by each record.
+Each schedule() and update_from_output() call is recorded with the engine's clock (`now`), so
+idle-session timeouts replay at the same step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
 from typing import IO, Any
 
 from slotserve.check.checker import InvariantChecker
-from slotserve.check.clock import logical_time
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -50,7 +47,7 @@ class TraceRecorder:
 
     def add_request(self, r: Request) -> None:
         self._write({"event": "add", "id": r.request_id, "prompt": r.prompt_token_ids,
-                     "params": _params_dict(r.sampling_params), "eos": r._eos_token_id,
+                     "params": _params_dict(r.sampling_params), "eos": r.eos_token_id,
                      "priority": r.priority, "arrival_time": r.arrival_time,
                      "resumable": r.resumable, "cache_salt": r.cache_salt})
 
@@ -60,19 +57,18 @@ class TraceRecorder:
     def reset_prefix_cache(self, reset_running_requests: bool) -> None:
         self._write({"event": "reset", "reset_running_requests": reset_running_requests})
 
-    def schedule(self, out: SchedulerOutput | None) -> None:
-        """Record a schedule() call; None when it raised (the replay raises there too)."""
+    def schedule(self, out: SchedulerOutput | None, now: float | None = None) -> None:
+        """Record a schedule(now) call; `out` is None when it raised (the replay raises there
+        too)."""
         self._num_schedules += 1
         if out is not None:
             self._step_of[id(out)] = self._num_schedules
-        self._write({"event": "schedule", "step": self._num_schedules})
+        self._write({"event": "schedule", "step": self._num_schedules, "now": now})
 
-    def clock(self, now: float) -> None:
-        self._write({"event": "clock", "now": now})
-
-    def update(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
+    def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
+               now: float | None = None) -> None:
         self._write({"event": "update", "step": self._step_of.pop(id(out)),
-                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids})
+                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids, "now": now})
 
     def close(self) -> None:
         self._f.close()
@@ -84,17 +80,10 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
     checker: InvariantChecker | None = None
     outputs: dict[int, SchedulerOutput] = {}
     ordered: list[SchedulerOutput] = []
-    with open(path) as f, contextlib.ExitStack() as stack:
-        clock = None
+    with open(path) as f:
         for line in f:
             e = json.loads(line)
             kind = e["event"]
-            if kind == "clock":
-                # The first clock record puts session time on the trace's logical clock.
-                if clock is None:
-                    clock = stack.enter_context(logical_time())
-                clock.now = e["now"]
-                continue
             if kind == "config":
                 scheduler = Scheduler(SchedulerConfig(**e["scheduler"]), CacheConfig(**e["cache"]))
                 checker = InvariantChecker(scheduler) if check else None
@@ -110,7 +99,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
             elif kind == "reset":
                 scheduler.reset_prefix_cache(e["reset_running_requests"])
             elif kind == "schedule":
-                out = scheduler.schedule()
+                out = scheduler.schedule(now=e.get("now"))
                 if checker is not None:
                     checker.on_schedule(out)
                 outputs[e["step"]] = out
@@ -119,7 +108,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 ids = e["req_ids"]
                 scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
                     req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=e["sampled"]))
+                    sampled_token_ids=e["sampled"]), now=e.get("now"))
     assert scheduler is not None, "empty trace"
     return scheduler, ordered
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slotserve.checkpoint import cache
 from slotserve.checkpoint.chat_templates import fallback_chat_template
@@ -21,13 +21,16 @@ from slotserve.checkpoint.gguf_file import open_gguf
 from slotserve.checkpoint.resolve import find_gguf
 from slotserve.errors import ModelLoadError
 
+if TYPE_CHECKING:  # transformers takes a while to import; it is loaded on first use
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
 logger = logging.getLogger(__name__)
 
 _TOKENIZER = "tokenizer.json"
 _NOTES = "slotserve.json"  # special tokens and chat template; what slotserve decided
 
 
-def load_tokenizer(path: str | Path) -> Any:
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a model path (Hugging Face folder, .gguf file or folder holding one)."""
     gguf_path = find_gguf(path)
     if gguf_path is not None:
@@ -35,24 +38,26 @@ def load_tokenizer(path: str | Path) -> Any:
     return _load_folder_tokenizer(Path(path).expanduser())
 
 
-def _load_folder_tokenizer(folder: Path) -> Any:
+def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """A plain tokenizer.json tokenizer is loaded directly: going through AutoTokenizer costs
     seconds of imports that `slotserve generate` would pay."""
     import transformers
 
     try:
-        cls: Any = transformers.AutoTokenizer
         config_file = folder / "tokenizer_config.json"
         if (folder / "tokenizer.json").is_file() and config_file.is_file():
             declared = json.loads(config_file.read_text()).get("tokenizer_class")
             if declared in (None, "PreTrainedTokenizerFast"):
-                cls = transformers.PreTrainedTokenizerFast
-        return cls.from_pretrained(str(folder))
+                tokenizer: PreTrainedTokenizerBase = (
+                    transformers.PreTrainedTokenizerFast.from_pretrained(str(folder)))
+                return tokenizer
+        auto: PreTrainedTokenizerBase = transformers.AutoTokenizer.from_pretrained(str(folder))
+        return auto
     except Exception as exc:  # transformers raises many types for a bad folder
         raise ModelLoadError(f"could not load a tokenizer from {str(folder)!r}: {exc}") from exc
 
 
-def load_gguf_tokenizer(path: Path) -> Any:
+def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     try:
         key = cache.file_key(path)
     except OSError as exc:
@@ -70,14 +75,15 @@ def load_gguf_tokenizer(path: Path) -> Any:
                              f"{str(folder)!r}: {exc}") from exc
 
 
-def _load_saved(tokenizer_file: Path, notes: dict[str, Any]) -> Any:
+def _load_saved(tokenizer_file: Path, notes: dict[str, Any]) -> PreTrainedTokenizerFast:
     """The saved backend tokenizer (its post-processor adds BOS, its added tokens know which
     are special) with the special tokens and chat template noted beside it: 0.6 s for Gemma's
     vocabulary, against 1.5 s for `from_pretrained` of a saved folder."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file),
-                                  **notes["special_tokens"])
+    # transformers leaves this constructor untyped (*args, **kwargs).
+    tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_file=str(tokenizer_file), **notes["special_tokens"])
     tok.chat_template = notes["chat_template"]
     return tok
 

@@ -7,6 +7,8 @@ the eviction order, least recently freed first.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
@@ -63,7 +65,7 @@ class FreeKVCacheBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self):  # noqa: ANN204 - a plain generator
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free
         while b is not None and b is not self._tail:
             yield b
@@ -71,10 +73,9 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 2, "need the null block and at least one usable block"
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
@@ -90,10 +91,6 @@ class BlockPool:
 
     def get_usage(self) -> float:
         return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
-
-    @property
-    def usage(self) -> float:
-        return self.get_usage()
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)

@@ -33,7 +33,6 @@ def cdiv(a: int, b: int) -> int:
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found cached
-    requests: int = 0
 
 
 class KVCacheManager:
@@ -42,7 +41,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are registered in the hash map.
         self.num_cached_block: dict[str, int] = {}
@@ -80,7 +79,6 @@ class KVCacheManager:
                 break
             hit.append(b)
         stats = self.prefix_cache_stats
-        stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
@@ -186,6 +184,19 @@ class KVCacheManager:
         rid = request.request_id
         if self.num_cached_block.get(rid, 0) > n_full:
             self.num_cached_block[rid] = n_full
+
+    def unfittable_reason(self, num_tokens: int) -> str | None:
+        """Why a sequence of num_tokens can never run (it could not generate one more token
+        within max_model_len or within the whole cache), or None."""
+        if num_tokens >= self.max_model_len:
+            return (f"the prompt has {num_tokens} tokens; max_model_len is "
+                    f"{self.max_model_len} and at least one token must be generated")
+        usable = self.block_pool.num_usable_blocks
+        if cdiv(num_tokens + 1, self.block_size) > usable:
+            return (f"the prompt has {num_tokens} tokens and needs "
+                    f"{cdiv(num_tokens + 1, self.block_size)} KV blocks; the KV cache has "
+                    f"{usable}")
+        return None
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from slotserve.sampling_params import SamplingParams
 
@@ -40,10 +39,6 @@ class CachedRequestData:
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    @classmethod
-    def make_empty(cls) -> CachedRequestData:
-        return cls()
-
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -54,8 +49,6 @@ class SchedulerOutput:
     # Slot releases; each id is delivered in exactly one output.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
-    num_common_prefix_blocks: int = 0
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def released_req_ids(self) -> set[str]:
@@ -74,11 +67,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request index: one LogprobsEntry per sampled token, or None when not requested.
     logprobs: list[list[LogprobsEntry] | None] | None = None
-    prompt_logprobs_dict: dict[str, Any] = field(default_factory=dict)
-    pooler_output: list[Any] = field(default_factory=list)
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
 @dataclass(slots=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from slotserve.errors import RequestValidationError
@@ -26,10 +25,6 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
-
-    @staticmethod
-    def get_finished_reason(status: RequestStatus) -> str | None:
-        return _FINISH_REASON.get(status)
 
 
 _FINISH_REASON = {
@@ -73,8 +68,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
-        "num_preemptions", "block_hashes", "streaming_queue", "max_tokens", "num_prompt_tokens",
-        "last_active_time", "ignored_reason", "_eos_token_id", "__weakref__",
+        "num_preemptions", "block_hashes", "max_tokens", "__weakref__",
     )
 
     def __init__(
@@ -102,7 +96,6 @@ class Request:
         self.prompt_token_ids = validate_token_ids(prompt_token_ids, allow_empty=True)
         self.request_id = request_id
         self.sampling_params = sampling_params
-        self._eos_token_id = eos_token_id
         self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -116,11 +109,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
-        self.streaming_queue: deque[StreamingUpdate | None] | None = None
         self.max_tokens = sampling_params.max_tokens
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.last_active_time = self.arrival_time
-        self.ignored_reason: str | None = None
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property
@@ -154,7 +143,7 @@ class Request:
         if not self.resumable:
             return None
         return StreamingUpdate(self.prompt_token_ids, self.sampling_params, self.arrival_time,
-                               self.priority, self._eos_token_id)
+                               self.priority, self.eos_token_id)
 
     def __lt__(self, other: Request) -> bool:
         # Lower priority value first, then earlier arrival, then id for a total order.

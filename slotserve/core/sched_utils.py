@@ -1,8 +1,8 @@
-"""Stop conditions and the streaming-session chunk fold, kept apart from the step loop."""
+"""Stop conditions, kept apart from the step loop."""
 
 from __future__ import annotations
 
-from slotserve.core.request import Request, RequestStatus, StreamingUpdate
+from slotserve.core.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -28,32 +28,3 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
-
-
-def fold_session_chunk(request: Request, update: StreamingUpdate) -> None:
-    """Apply the next input chunk to a stopped session.
-
-    The outputs become part of the prompt, except the last sampled token, which was never fed
-    through the model; then the chunk is appended and its sampling params take over.
-    Dropping exactly that one token (rather than everything past num_computed_tokens) keeps
-    the history intact when the session's KV was reclaimed and num_computed_tokens is 0.
-    """
-    tokens = request._all_token_ids
-    if request._output_token_ids:
-        tokens.pop()
-    tokens.extend(update.prompt_token_ids)
-    request._output_token_ids = []
-    request.prompt_token_ids = list(tokens)
-    request.num_prompt_tokens = len(tokens)
-    # Computed KV beyond the kept tokens is stale; a zero-token continuation recomputes the
-    # last kept token so that the step has something to sample from.
-    request.num_computed_tokens = min(request.num_computed_tokens, len(tokens) - 1)
-    request.sampling_params = update.sampling_params
-    request.max_tokens = update.sampling_params.max_tokens
-    if update.eos_token_id is not None:
-        request._eos_token_id = update.eos_token_id
-    request.eos_token_id = None if update.sampling_params.ignore_eos else request._eos_token_id
-    request.arrival_time = update.arrival_time
-    request.priority = update.priority
-    request.stop_reason = None
-    request.status = RequestStatus.WAITING

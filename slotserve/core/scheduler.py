@@ -7,13 +7,12 @@ counted by the SlotLedger, which mirrors the worker's table from the outputs emi
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.block_pool import KVCacheBlock
-from slotserve.core.kv_cache_manager import KVCacheManager, cdiv
+from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -24,13 +23,12 @@ from slotserve.core.outputs import (
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.request_queue import create_request_queue
 from slotserve.core.sched_utils import check_stop
-from slotserve.core.sessions import StreamingSessionsMixin
+from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
 from slotserve.errors import RequestValidationError
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
-PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
 
 
 @dataclass(slots=True)
@@ -44,7 +42,7 @@ class SchedulerStats:
     num_preemptions: int
 
 
-class Scheduler(StreamingSessionsMixin):
+class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("the scheduler needs cache_config.num_blocks")
@@ -61,57 +59,44 @@ class Scheduler(StreamingSessionsMixin):
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
-        # Streaming sessions stopped and waiting for their next chunk; they keep KV and slot.
-        self.paused: dict[str, Request] = {}
         # Releases since the last schedule(); swapped out (not cleared) with each output.
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         self.slot_ledger = SlotLedger(scheduler_config.max_num_seqs)
-        # Outputs for requests that ended outside update_from_output (ignored, timed out).
-        self._pending_outputs: list[EngineCoreOutput] = []
+        # Outputs of requests that ended outside update_from_output (refused, timed out, ...),
+        # returned by the next update_from_output.
+        self.pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
-        self._next_timeout_check = 0.0
+        self.sessions = StreamingSessions(scheduler_config.streaming_session_timeout_s,
+                                          self.kv_cache_manager, self.waiting, self._end_request)
+        # The engine's clock as of the latest schedule(now) or update_from_output(..., now):
+        # sessions go idle and time out against it.
+        self.now = 0.0
 
     # ------------------------------------------------------------------ requests in and out
     @property
     def num_waiting_for_streaming_input(self) -> int:
-        return len(self.paused)
+        return len(self.sessions.idle)
 
     def add_request(self, request: Request) -> None:
         existing = self.requests.get(request.request_id)
         if existing is not None:
-            self._add_session_chunk(existing, request)
+            self.sessions.add_chunk(existing, request)
             return
         if not request.prompt_token_ids:
             raise RequestValidationError("the prompt is empty", "prompt")
         if request.status != RequestStatus.WAITING or request.num_output_tokens:
             raise RequestValidationError(f"request {request.request_id!r} was already used",
                                          "request_id")
-        if request.resumable:
-            request.streaming_queue = deque()
-        reason = self._unfittable_reason(request)
+        reason = self.kv_cache_manager.unfittable_reason(request.num_tokens)
         if reason is not None:
-            self._ignore(request, reason)
+            request.status = RequestStatus.FINISHED_IGNORED
+            self.pending_outputs.append(EngineCoreOutput(
+                request.request_id, [], "length", finished=True, finish_message=reason))
             return
         self.requests[request.request_id] = request
+        self.sessions.start(request)
         self.waiting.add_request(request)
-
-    def _unfittable_reason(self, request: Request) -> str | None:
-        n = request.num_tokens
-        if n >= self.max_model_len:
-            return (f"the prompt has {n} tokens; max_model_len is {self.max_model_len} and at "
-                    "least one token must be generated")
-        usable = self.kv_cache_manager.block_pool.num_usable_blocks
-        if cdiv(n + 1, self.block_size) > usable:
-            return (f"the prompt has {n} tokens and needs {cdiv(n + 1, self.block_size)} KV "
-                    f"blocks; the KV cache has {usable}")
-        return None
-
-    def _ignore(self, request: Request, reason: str) -> None:
-        request.status = RequestStatus.FINISHED_IGNORED
-        request.ignored_reason = reason
-        self._pending_outputs.append(EngineCoreOutput(
-            request.request_id, [], "length", finished=True, finish_message=reason))
 
     def finish_requests(self, request_ids: str | Iterable[str] | None,
                         finished_status: RequestStatus) -> None:
@@ -127,9 +112,7 @@ class Scheduler(StreamingSessionsMixin):
                 continue
             if r.status == RUNNING:
                 self.running.remove(r)
-            elif r.status == PAUSED:
-                del self.paused[req_id]
-            else:
+            elif r.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
                 from_waiting.append(r)
             r.status = finished_status
             self._free_request(r)
@@ -145,6 +128,16 @@ class Scheduler(StreamingSessionsMixin):
         self.slot_ledger.release(req_id)
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
+        self.sessions.forget(req_id)
+
+    def _end_request(self, request: Request, status: RequestStatus, message: str | None) -> None:
+        """End a request the scheduler holds, outside update_from_output (an idle session's
+        end or timeout, a sequence that outgrew the cache): free it and report its end."""
+        request.status = status
+        self._free_request(request)
+        self.pending_outputs.append(EngineCoreOutput(
+            request.request_id, [], request.get_finished_reason(), finished=True,
+            finish_message=message))
 
     def _preempt_request(self, request: Request) -> None:
         """Recompute-style preemption; the caller has removed request from running."""
@@ -181,14 +174,18 @@ class Scheduler(StreamingSessionsMixin):
 
     def _idle_kv_holders(self) -> list[Request]:
         holds = self.kv_cache_manager.holds_blocks
-        out = [r for r in self.paused.values() if holds(r.request_id)]
+        out = [r for r in self.sessions.idle.values() if holds(r.request_id)]
         out.extend(r for r in self.waiting if holds(r.request_id))
         return out
 
     # ------------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
-        if self.paused:
-            self._expire_sessions()
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """One step's output. `now` is the engine's clock (monotonic seconds); idle sessions
+        time out against it. Without it, time stands still (callers with no sessions)."""
+        if now is not None:
+            self.now = now
+        if self.sessions.idle:
+            self.sessions.expire(self.now)
         kv = self.kv_cache_manager
         budget = self.max_num_scheduled_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
@@ -229,11 +226,8 @@ class Scheduler(StreamingSessionsMixin):
                 else:
                     victim = running.pop()
                 if victim is r and self._can_never_grow(r):
-                    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    self._free_request(r)
-                    self._pending_outputs.append(EngineCoreOutput(
-                        r.request_id, [], "length", finished=True,
-                        finish_message="the sequence outgrew the whole KV cache"))
+                    self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      "the sequence outgrew the whole KV cache")
                 else:
                     self._preempt_request(victim)
                     preempted = True
@@ -279,11 +273,11 @@ class Scheduler(StreamingSessionsMixin):
         chunked = self.scheduler_config.enable_chunked_prefill
         passed_over: list[Request] = []
         kv_blocked: Request | None = None
-        # Idle slot holders (paused or waiting sessions): those not in running.
+        # Slot holders not in running: idle sessions and waiting (promoted) ones.
         idle_holders = (len(ledger.holders) - len(ledger.releasing)
                         - (len(self.running) - len(scheduled_new)))
-        paused_holders = sum(1 for rid in self.paused if ledger.holds(rid))
-        waiting_holders = idle_holders - paused_holders
+        idle_session_holders = sum(1 for rid in self.sessions.idle if ledger.holds(rid))
+        waiting_holders = idle_holders - idle_session_holders
         while waiting and budget > 0:
             r = waiting.peek_request()
             holds_slot = ledger.holds(r.request_id)
@@ -307,15 +301,12 @@ class Scheduler(StreamingSessionsMixin):
             n = min(n, budget)
             new_blocks = kv.allocate_slots(r, n, n_hit, hit_blocks, full_sequence_must_fit=True)
             if new_blocks is None:
-                if self._unfittable_reason(r) is not None:
+                if kv.unfittable_reason(r.num_tokens) is not None:
                     # It grew (a late output after preemption) past what the whole cache
                     # holds: it can never run again, and must not block the queue.
                     waiting.pop_request()
-                    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    self._free_request(r)
-                    self._pending_outputs.append(EngineCoreOutput(
-                        r.request_id, [], "length", finished=True,
-                        finish_message="the sequence outgrew the whole KV cache"))
+                    self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      "the sequence outgrew the whole KV cache")
                     continue
                 kv_blocked = r
                 break
@@ -340,7 +331,7 @@ class Scheduler(StreamingSessionsMixin):
                       new_blocks_of: dict[str, list[KVCacheBlock]]) -> SchedulerOutput:
         get_block_ids = self.kv_cache_manager.get_block_ids
         new_data = [
-            NewRequestData(r.request_id, list(r.prompt_token_ids), list(r._all_token_ids),
+            NewRequestData(r.request_id, list(r.prompt_token_ids), list(r.all_token_ids),
                            get_block_ids(r.request_id), r.num_computed_tokens, r.sampling_params,
                            r.num_output_tokens, r.eos_token_id)
             for r in scheduled_new
@@ -371,9 +362,14 @@ class Scheduler(StreamingSessionsMixin):
 
     # ------------------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = self._pending_outputs
-        self._pending_outputs = []
+                           model_runner_output: ModelRunnerOutput,
+                           now: float | None = None) -> list[EngineCoreOutput]:
+        """Apply the model's answer to an output. `now`, as for schedule(), is when a session
+        that stops here goes idle."""
+        if now is not None:
+            self.now = now
+        outputs = self.pending_outputs
+        self.pending_outputs = []
         sampled = model_runner_output.sampled_token_ids
         index_of = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -401,9 +397,9 @@ class Scheduler(StreamingSessionsMixin):
                     stopped = True
                     break
             new_tokens = generated if n_new == len(generated) else generated[:n_new]
-            lp = None
-            if logprobs is not None and logprobs[i] is not None:
-                lp = logprobs[i][:n_new]
+            lp = logprobs[i] if logprobs is not None else None
+            if lp is not None:
+                lp = lp[:n_new]
             if not stopped:
                 outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, lp,
                                                 r.num_cached_tokens))
@@ -414,7 +410,7 @@ class Scheduler(StreamingSessionsMixin):
                 self.running.remove(r)
             else:
                 self.waiting.remove_request(r)
-            finished = self._handle_stopped_request(r)
+            finished = self.sessions.on_stop(r, self.now)
             if finished:
                 self._free_request(r)
             outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
@@ -428,7 +424,7 @@ class Scheduler(StreamingSessionsMixin):
 
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running or self.finished_req_ids
-                    or self.preempted_req_ids or self._pending_outputs)
+                    or self.preempted_req_ids or self.pending_outputs)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -438,7 +434,7 @@ class Scheduler(StreamingSessionsMixin):
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            num_paused_sessions=len(self.paused),
+            num_paused_sessions=len(self.sessions.idle),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,

@@ -1,90 +1,147 @@
-"""Streaming-input sessions (DESIGN.md section 3), as a mixin of the Scheduler.
+"""Streaming-input sessions (DESIGN.md section 3): one component, composed by the scheduler.
 
-A session is a resumable request. When a chunk's generation stops, the session always pauses
-first (WAITING_FOR_STREAMING_REQ, keeping its KV blocks and worker slot); its next chunk is
-folded in when it is promoted, and it comes back in scheduled_new_reqs with all its blocks.
-A non-resumable request with the same id ends it; so does an idle timeout.
+A session is a resumable request. When a chunk's generation stops, the session always stops
+first and waits for its next chunk, keeping its KV blocks and worker slot: an idle session
+(status WAITING_FOR_STREAMING_REQ; vLLM's "paused" means the whole engine, hence another
+name). A chunk that arrives meanwhile is folded in when the session is promoted, and the
+session comes back in scheduled_new_reqs with all its blocks. A non-resumable request with the
+session's id ends it, and so does an idle timeout.
+
+Time enters as an argument (`now`, the engine's clock, given to Scheduler.schedule and
+update_from_output), so a recorded trace replays idle timeouts exactly.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from slotserve.core.outputs import EngineCoreOutput
+from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.request import Request, RequestStatus, StreamingUpdate
-from slotserve.core.sched_utils import fold_session_chunk
+from slotserve.core.request_queue import RequestQueue
 from slotserve.errors import RequestValidationError
 
-if TYPE_CHECKING:
-    from slotserve.core.scheduler import Scheduler
+IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
+# Idle sessions are looked at for timeouts at most this often (seconds of `now`).
+TIMEOUT_CHECK_INTERVAL_S = 1.0
 
-PAUSED = RequestStatus.WAITING_FOR_STREAMING_REQ
+
+def kept_output_tokens(num_output_tokens: int) -> int:
+    """The fold rule: of a stopped chunk's outputs, a session keeps all but the last sampled
+    token, which was never fed through the model (the front counts a session's length with
+    this too)."""
+    return max(0, num_output_tokens - 1)
 
 
-class StreamingSessionsMixin:
-    def _add_session_chunk(self: Scheduler, session: Request, request: Request) -> None:
-        if session.streaming_queue is None:
+# How the scheduler ends a request it holds: set the status, free it, report the end.
+EndRequest = Callable[[Request, RequestStatus, str | None], None]
+
+
+@dataclass(slots=True)
+class StreamingSessions:
+    timeout_s: float
+    kv_cache_manager: KVCacheManager
+    waiting: RequestQueue
+    end_request: EndRequest
+    # Idle sessions (they keep KV + slot), and the `now` at which each stopped.
+    idle: dict[str, Request] = field(default_factory=dict)
+    idle_since: dict[str, float] = field(default_factory=dict)
+    # Per session: chunks (None: the end mark) that arrived while it was not idle.
+    queued: dict[str, deque[StreamingUpdate | None]] = field(default_factory=dict)
+    next_timeout_check: float = 0.0
+
+    def start(self, request: Request) -> None:
+        """A new request; a resumable one opens a session."""
+        if request.resumable:
+            self.queued[request.request_id] = deque()
+
+    def forget(self, request_id: str) -> None:
+        """The scheduler freed the request: its session, if any, is over."""
+        self.idle.pop(request_id, None)
+        self.idle_since.pop(request_id, None)
+        self.queued.pop(request_id, None)
+
+    def add_chunk(self, session: Request, request: Request) -> None:
+        """A later request with a session's id: its next chunk, or (not resumable) its end."""
+        queue = self.queued.get(session.request_id)
+        if queue is None:
             raise RequestValidationError(
                 f"duplicate request id {request.request_id!r} (not a streaming session)",
                 "request_id")
         update = request.to_streaming_update()
-        if session.status != PAUSED:
-            session.streaming_queue.append(update)
+        if session.request_id not in self.idle:
+            queue.append(update)
         elif update is None:
-            self._end_paused_session(session, RequestStatus.FINISHED_ABORTED, None)
+            self.end_request(session, RequestStatus.FINISHED_ABORTED, None)
         else:
-            self._promote_session(session, update)
+            self._promote(session, update)
 
-    def _end_paused_session(self: Scheduler, session: Request, status: RequestStatus,
-                            message: str | None) -> None:
-        del self.paused[session.request_id]
-        session.status = status
-        self._free_request(session)
-        self._pending_outputs.append(EngineCoreOutput(
-            session.request_id, [], session.get_finished_reason(), finished=True,
-            finish_message=message))
+    def on_stop(self, request: Request, now: float) -> bool:
+        """A stopped request: True if it is finished, False if a session went idle (or was
+        promoted at once with a chunk that was waiting)."""
+        queue = self.queued.get(request.request_id)
+        if queue is None:
+            return True
+        if queue and queue[0] is None:
+            return True
+        # Always idle first (vLLM PR #52717); a queued chunk is applied by promotion.
+        request.status = IDLE
+        self.idle[request.request_id] = request
+        self.idle_since[request.request_id] = now
+        if queue:
+            update = queue.popleft()
+            assert update is not None
+            self._promote(request, update)
+        return False
 
-    def _promote_session(self: Scheduler, session: Request, update: StreamingUpdate) -> None:
-        """Apply the next chunk to a paused session and queue it; it keeps KV and slot."""
-        del self.paused[session.request_id]
-        fold_session_chunk(session, update)
-        self.kv_cache_manager.truncate_hashes(session)
-        reason = self._unfittable_reason(session)
-        if reason is not None:
-            self.paused[session.request_id] = session
-            self._end_paused_session(session, RequestStatus.FINISHED_IGNORED, reason)
+    def expire(self, now: float) -> None:
+        """End the sessions idle for longer than the timeout."""
+        if now < self.next_timeout_check:
             return
-        session.last_active_time = time.monotonic()
+        self.next_timeout_check = now + TIMEOUT_CHECK_INTERVAL_S
+        expired = [r for rid, r in self.idle.items()
+                   if now - self.idle_since[rid] > self.timeout_s]
+        for r in expired:
+            self.end_request(r, RequestStatus.FINISHED_ABORTED,
+                             f"streaming session idle for more than {self.timeout_s:g} s")
+
+    def _promote(self, session: Request, update: StreamingUpdate) -> None:
+        """Fold the next chunk into an idle session and queue it; it keeps KV and slot."""
+        fold(session, update)
+        self.kv_cache_manager.truncate_hashes(session)
+        reason = self.kv_cache_manager.unfittable_reason(session.num_tokens)
+        if reason is not None:
+            self.end_request(session, RequestStatus.FINISHED_IGNORED, reason)
+            return
+        del self.idle[session.request_id], self.idle_since[session.request_id]
         # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.
         holds = self.kv_cache_manager.holds_blocks
         self.waiting.add_resumed_request(
             session, lambda r: r.status == RequestStatus.WAITING and holds(r.request_id))
 
-    def _handle_stopped_request(self: Scheduler, request: Request) -> bool:
-        """A stopped request: True if it is finished, False if a session paused (or resumed)."""
-        if not request.resumable:
-            return True
-        queue = request.streaming_queue
-        if queue and queue[0] is None:
-            queue.popleft()
-            return True
-        # Always pause first (vLLM PR #52717); a queued chunk is applied by promotion.
-        request.status = PAUSED
-        request.last_active_time = time.monotonic()
-        self.paused[request.request_id] = request
-        if queue:
-            update = queue.popleft()
-            assert update is not None
-            self._promote_session(request, update)
-        return False
 
-    def _expire_sessions(self: Scheduler) -> None:
-        now = time.monotonic()
-        if now < self._next_timeout_check:
-            return
-        self._next_timeout_check = now + 1.0
-        timeout = self.scheduler_config.streaming_session_timeout_s
-        for r in [r for r in self.paused.values() if now - r.last_active_time > timeout]:
-            self._end_paused_session(r, RequestStatus.FINISHED_ABORTED,
-                                     f"streaming session idle for more than {timeout:g} s")
+def fold(request: Request, update: StreamingUpdate) -> None:
+    """Apply the next input chunk to a stopped session.
+
+    The outputs become part of the prompt, except the last sampled token (kept_output_tokens);
+    then the chunk is appended and its sampling params take over. Dropping exactly that one
+    token (rather than everything past num_computed_tokens) keeps the history intact when the
+    session's KV was reclaimed and num_computed_tokens is 0.
+    """
+    tokens = request.all_token_ids
+    del tokens[request.num_tokens - request.num_output_tokens
+               + kept_output_tokens(request.num_output_tokens):]
+    tokens.extend(update.prompt_token_ids)
+    request.output_token_ids.clear()
+    request.prompt_token_ids = list(tokens)
+    # Computed KV beyond the kept tokens is stale; a zero-token continuation recomputes the
+    # last kept token so that the step has something to sample from.
+    request.num_computed_tokens = min(request.num_computed_tokens, len(tokens) - 1)
+    request.sampling_params = update.sampling_params
+    request.max_tokens = update.sampling_params.max_tokens
+    request.eos_token_id = update.eos_token_id
+    request.arrival_time = update.arrival_time
+    request.priority = update.priority
+    request.stop_reason = None
+    request.status = RequestStatus.WAITING

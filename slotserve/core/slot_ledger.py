@@ -3,7 +3,7 @@
 It is updated from the very outputs the scheduler emits, so it mirrors the worker's slot
 table by construction: an id becomes a holder when it is emitted in `scheduled_new_reqs` and
 stops being one when it is emitted in `finished_req_ids | preempted_req_ids`. Admission asks
-the ledger, never `len(running)`, so paused sessions, requests preempted outside `schedule()`
+the ledger, never `len(running)`, so idle sessions, requests preempted outside `schedule()`
 and sessions waiting with a queued chunk are all counted. Every operation is O(1).
 """
 
@@ -33,7 +33,7 @@ class SlotLedger:
                 - self.claimed_this_step)
 
     def needs_slot(self, req_id: str) -> bool:
-        # A paused/resumed session keeps its slot: the worker re-adds it under the same id.
+        # An idle or promoted session keeps its slot: the worker re-adds it under the same id.
         return not self.holds(req_id)
 
     def claim(self, req_id: str) -> None:

@@ -1,16 +1,19 @@
 """EngineArgs: the flat keyword arguments of `LLM(...)` and `slotserve serve`, and how they
-become a SchedulerConfig and a CacheConfig once the model's own limits are known."""
+become one frozen EngineConfig once the model's limits and the KV cache size are known."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from slotserve.config import CacheConfig, SchedulerConfig
-from slotserve.errors import ModelLoadError, RequestValidationError
+from slotserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from slotserve.errors import ConfigError, ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 # The bundled Shakespeare model (slotserve/default_model), used when no model is given.
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "default_model")
@@ -18,16 +21,12 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "default_model")
 # per-slot buffer huge on a CPU; this cap keeps the default practical.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# SLOTSERVE_NATIVE_ATTENTION=0 keeps decode attention on the torch path; read here only, when
-# the arguments are made, and carried as `native_attention` to the model from then on.
-NATIVE_ATTENTION_ENV = "SLOTSERVE_NATIVE_ATTENTION"
+# The environment switches, read once in EngineArgs.from_kwargs.
+CHECK_ENV, TRACE_ENV, NATIVE_ATTENTION_ENV = (
+    "SLOTSERVE_CHECK", "SLOTSERVE_TRACE", "SLOTSERVE_NATIVE_ATTENTION")
 
 
-def _native_attention_default() -> bool:
-    return os.environ.get(NATIVE_ATTENTION_ENV, "1") != "0"
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineArgs:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
@@ -39,69 +38,86 @@ class EngineArgs:
     block_size: int = 16
     num_blocks: int | None = None
     # KV cache budget when num_blocks is not given: bytes (int) or a fraction of free memory
-    # (float); the model runner derives num_blocks from it.
+    # (float); the startup derives num_blocks from it.
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
+    policy: Literal["fcfs", "priority"] = "fcfs"
     streaming_session_timeout_s: float = 600.0
     check: bool = False
+    trace_path: str | None = None
     seed: int | None = None
     # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
-    native_attention: bool = dataclasses.field(default_factory=_native_attention_default)
+    native_attention: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """The one entry for engine settings; the environment switches are read here, once,
+        and carried as arguments from then on: SLOTSERVE_CHECK=1 turns the checker on for any
+        engine, SLOTSERVE_TRACE=PATH records a trace unless a trace_path is given, and
+        SLOTSERVE_NATIVE_ATTENTION=0 keeps decode attention on the torch path."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}; "
                             f"known: {', '.join(sorted(names))}")
-        args = cls(**{k: v for k, v in kwargs.items() if v is not None or k == "model"})
-        if args.model is None:
-            args.model = DEFAULT_MODEL
-        return args
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        if os.environ.get(CHECK_ENV, "") not in ("", "0", "false", "False"):
+            given["check"] = True
+        if "trace_path" not in given and os.environ.get(TRACE_ENV):
+            given["trace_path"] = os.environ[TRACE_ENV]
+        if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
+            given["native_attention"] = False
+        return cls(**given)
 
     def model_path(self) -> str:
-        path = os.path.expanduser(str(self.model))
+        path = os.path.expanduser(self.model)
         if not os.path.exists(path):
             raise ModelLoadError(f"model path {path!r} does not exist (slotserve loads a local "
                                  "Hugging Face model folder or a .gguf file)")
         return path
 
-    def resolve_max_model_len(self, max_position_embeddings: int | None) -> int:
-        limit = max_position_embeddings or DEFAULT_MAX_MODEL_LEN_CAP
+    def max_model_len_bound(self, max_position_embeddings: int) -> int:
+        """max_model_len before the KV cache is sized: asked for, or the model's, capped."""
         if self.max_model_len is None:
-            return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
-        if self.max_model_len > limit:
-            raise RequestValidationError(
-                f"max_model_len={self.max_model_len} exceeds the model's "
-                f"max_position_embeddings={limit}", "max_model_len")
+            return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.max_model_len > max_position_embeddings:
+            raise ConfigError(f"max_model_len={self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={max_position_embeddings}")
         return self.max_model_len
 
-    def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+    def create_engine_config(self, max_position_embeddings: int, num_blocks: int) -> EngineConfig:
+        """Decide everything once: one request alone must fit into the KV cache, so a
+        max_model_len that was not asked for is lowered to what the cache holds."""
+        max_model_len = self.max_model_len_bound(max_position_embeddings)
+        capacity = (num_blocks - 1) * self.block_size
+        if max_model_len > capacity:
+            if self.max_model_len is not None:
+                raise ConfigError(
+                    f"max_model_len={max_model_len} does not fit into the KV cache "
+                    f"({num_blocks - 1} usable blocks of {self.block_size} tokens = "
+                    f"{capacity}); give more num_blocks/kv_cache_memory or a smaller "
+                    "max_model_len")
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache",
+                           max_model_len, capacity)
+            max_model_len = capacity
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
             if not self.enable_chunked_prefill:
                 # Without chunking a whole prompt must fit into one step's budget.
                 budget = max(budget, max_model_len)
-        elif not self.enable_chunked_prefill and budget < max_model_len:
-            raise RequestValidationError(
-                f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}; "
-                "long prompts could never be scheduled without chunked prefill",
-                "max_num_batched_tokens")
-        return SchedulerConfig(
+        scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=max_model_len,
-            policy=self.policy,  # type: ignore[arg-type]
+            policy=self.policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             streaming_session_timeout_s=self.streaming_session_timeout_s,
         )
-
-    def create_cache_config(self) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+        cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
+                                   enable_prefix_caching=self.enable_prefix_caching)
+        return EngineConfig(scheduler_config, cache_config, check=self.check,
+                            trace_path=self.trace_path)

@@ -34,12 +34,12 @@ def make_decode_fn(tokenizer: Any) -> DecodeFn:
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and hasattr(backend, "decode"):
         def decode(ids: list[int], skip_special_tokens: bool) -> str:
-            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            return str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
         return decode
 
     def slow_decode(ids: list[int], skip_special_tokens: bool) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                clean_up_tokenization_spaces=False)
+        return str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                    clean_up_tokenization_spaces=False))
     return slow_decode
 
 

@@ -1,104 +1,76 @@
-"""LLMEngine: the synchronous engine API used by `LLM`, the CLI and `AsyncLLM`.
+"""LLMEngine: the front of the engine, used by `LLM`, the CLI and `AsyncLLM`.
 
-add_request (validate, tokenize, fan out n) -> EngineCore.step() -> OutputProcessor
-(detokenize, stop strings, timestamps) -> RequestOutputs.
+add_request (validate, tokenize, fan out n) -> EngineCoreRequests -> the core, wherever it runs
+(EngineCoreClient) -> EngineCoreOutputs -> OutputProcessor (detokenize, stop strings,
+timestamps) -> RequestOutputs. Not thread-safe: one thread, or one event loop, calls it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import logging
-import random
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slotserve.checkpoint import load_tokenizer, resolve_checkpoint
-from slotserve.core.request import Request
-from slotserve.core.scheduler import SchedulerStats
 from slotserve.engine.args import EngineArgs
-from slotserve.engine.core import EngineCore
+from slotserve.engine.core_client import EngineCoreClient, EngineMode, make_client
 from slotserve.engine.detokenizer import make_decode_fn
+from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
+from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from slotserve.engine.output_processor import OutputProcessor
-from slotserve.engine.processor import ProcessedRequest, Processor, PromptType, normalize_eos
+from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import RequestValidationError
+from slotserve.models.config import ModelConfig
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats(SchedulerStats):
-    """The scheduler's snapshot plus the engine's own counters (cumulative since start)."""
-
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_failed_steps: int
-
-
-def _build_model_runner(args: EngineArgs, path: str, scheduler_config: Any,
-                        cache_config: Any) -> Any:
-    from slotserve.worker.model_runner import ModelRunner
-
-    device = None if args.device in (None, "auto") else args.device
-    return ModelRunner(path, scheduler_config, cache_config, dtype=args.dtype, device=device,
-                       kv_cache_memory=args.kv_cache_memory, seed=args.seed,
-                       native_attention=args.native_attention)
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, *, model_config: Any = None, tokenizer: Any = None,
-                 model_runner: Any = None) -> None:
-        """Build from `args`; tests may inject any of the three parts (a fake runner, say)."""
-        self.args = args
-        needs_path = model_config is None or tokenizer is None or model_runner is None
-        path = args.model_path() if needs_path else str(args.model)
-        if model_config is None:
-            model_config = resolve_checkpoint(path).config
+    def __init__(self, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase,
+                 model_config: ModelConfig) -> None:
+        self.engine_core = engine_core
+        self.tokenizer = tokenizer
         self.model_config = model_config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-            args.tokenizer or path)
-        if args.seed is not None:
-            import torch
-
-            random.seed(args.seed)
-            torch.manual_seed(args.seed)
-        max_model_len = args.resolve_max_model_len(model_config.max_position_embeddings)
-        scheduler_config = args.create_scheduler_config(max_model_len)
-        cache_config = args.create_cache_config()
-        if model_runner is None:
-            model_runner = _build_model_runner(args, path, scheduler_config, cache_config)
-        capacity = (model_runner.num_blocks - 1) * cache_config.block_size
-        if max_model_len > capacity:
-            # One request alone must fit into the KV cache, or it could never be scheduled.
-            if args.max_model_len is not None:
-                raise RequestValidationError(
-                    f"max_model_len={max_model_len} does not fit into the KV cache "
-                    f"({model_runner.num_blocks - 1} usable blocks of {cache_config.block_size} "
-                    f"tokens = {capacity}); give more num_blocks/kv_cache_memory or a smaller "
-                    "max_model_len", "max_model_len")
-            logger.warning("max_model_len lowered from %d to %d to fit the KV cache",
-                           max_model_len, capacity)
-            max_model_len = scheduler_config.max_model_len = capacity
-        self.max_model_len = max_model_len
-        self.engine_core = EngineCore(scheduler_config, cache_config, model_runner,
-                                      check=args.check)
-        eos = normalize_eos(self.model_config.eos_token_id)
-        if not eos and self.tokenizer.eos_token_id is not None:
-            eos = [self.tokenizer.eos_token_id]
-        self.processor = Processor(self.tokenizer, max_model_len, self.model_config.vocab_size,
-                                   eos)
-        self.output_processor = OutputProcessor(make_decode_fn(self.tokenizer))
+        # Decided by the core at startup: the front validates against the same limits.
+        self.config = engine_core.config
+        self.max_model_len = self.config.max_model_len
+        self.processor = Processor(tokenizer, self.max_model_len, model_config.vocab_size,
+                                   eos_token_ids(model_config, tokenizer))
+        self.output_processor = OutputProcessor(make_decode_fn(tokenizer))
+        # The last failure inside the model's forward pass (its requests ended "error").
+        self.last_error: BaseException | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs | None = None, **kwargs: Any) -> LLMEngine:
+    def from_engine_args(cls, engine_args: EngineArgs | None = None, *,
+                         mode: EngineMode = "inproc", threads: int | None = None,
+                         **kwargs: Any) -> LLMEngine:
+        """Load the front's model config and tokenizer, and start the core where `mode` says
+        (`threads`: the torch threads of a child process)."""
         if engine_args is None:
             engine_args = EngineArgs.from_kwargs(**kwargs)
         elif kwargs:
             raise TypeError("pass either an EngineArgs or keyword arguments, not both")
-        return cls(engine_args)
+        path = engine_args.model_path()
+        tokenizer_path = engine_args.tokenizer or path
+        if mode != "process":
+            model_config = load_model_config(path)
+            tokenizer = load_tokenizer(tokenizer_path)
+            return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)
+        # The front loads its parts on a thread while the child starts the core: each takes
+        # seconds for a large vocabulary (a GGUF file's tokenizer is built from its metadata).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            front = pool.submit(lambda: (load_model_config(path), load_tokenizer(tokenizer_path)))
+            client = make_client(mode, engine_args, threads=threads)
+        try:
+            model_config, tokenizer = front.result()
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client, tokenizer, model_config)
 
     # ----- requests -------------------------------------------------------------------------
 
@@ -147,10 +119,12 @@ class LLMEngine:
     def _end_session(self, request_id: str, priority: int) -> None:
         # A non-resumable request with a session's id only marks its end; its prompt is
         # never run, so it skips the context-length checks (the session may be full).
-        mark = Request(request_id, [], SamplingParams(), priority=priority)
-        processed = ProcessedRequest(request_id, None, [], mark.sampling_params, [mark],
-                                     RequestOutputKind.CUMULATIVE, resumable=False)
-        self.add_processed_request(processed)
+        params = SamplingParams()
+        mark = EngineCoreRequest(request_id, [], params, None, time.monotonic(), priority,
+                                 continues_session=True)
+        self.add_processed_request(ProcessedRequest(
+            request_id, None, [], params, [mark], RequestOutputKind.CUMULATIVE,
+            resumable=False))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -159,38 +133,37 @@ class LLMEngine:
     # ----- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
-        now = time.monotonic()
-        if self.engine_core.last_scheduled_new_req_ids:
-            self.output_processor.mark_scheduled(self.engine_core.last_scheduled_new_req_ids,
-                                                 self.engine_core.last_schedule_time)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs, now)
+        return self.process_outputs(self.engine_core.get_output())
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> list[RequestOutput]:
+        """One batch from the core -> the RequestOutputs of the requests it changed."""
+        if outputs.scheduled_new_req_ids:
+            self.output_processor.mark_scheduled(outputs.scheduled_new_req_ids,
+                                                 outputs.schedule_time)
+        if outputs.step_error is not None:
+            self.last_error = outputs.step_error
+        request_outputs, stopped = self.output_processor.process_outputs(outputs.outputs,
+                                                                         outputs.timestamp)
         if stopped:
             # Stop strings are found here, above the core: end those requests there (abort
             # semantics release their blocks and slot); callers see finish_reason "stop".
             self.engine_core.abort_requests(stopped)
-        return outputs
+        return request_outputs
 
     def has_unfinished_requests(self) -> bool:
+        """Whether step() has work: a caller's request not finished, or (with the core in
+        this thread) a release the core still has to hand to the worker."""
         return (self.output_processor.has_unfinished_requests()
-                or self.engine_core.has_unfinished_requests())
-
-    def get_num_unfinished_requests(self) -> int:
-        return self.engine_core.scheduler.get_num_unfinished_requests()
+                or self.engine_core.needs_step())
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.engine_core.reset_prefix_cache(reset_running_requests)
-
-    @property
-    def last_error(self) -> BaseException | None:
-        """The last failure inside the model's forward pass (its requests ended "error")."""
-        return self.engine_core.last_error
+        return self.engine_core.reset_prefix_cache(reset_running_requests).result()
 
     def get_stats(self) -> EngineStats:
-        s = self.engine_core.scheduler.make_stats()
-        return EngineStats(
-            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
-            prompt_tokens_total=self.output_processor.num_prompt_tokens_total,
-            generation_tokens_total=self.output_processor.num_generation_tokens_total,
-            num_failed_steps=self.engine_core.num_failed_steps,
-        )
+        return self.with_front_counters(self.engine_core.get_stats().result())
+
+    def with_front_counters(self, stats: EngineStats) -> EngineStats:
+        """The core's stats with the token counters only the front knows."""
+        return dataclasses.replace(
+            stats, prompt_tokens_total=self.output_processor.num_prompt_tokens_total,
+            generation_tokens_total=self.output_processor.num_generation_tokens_total)

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from slotserve.core.outputs import EngineCoreOutput, LogprobsEntry
+from slotserve.core.sessions import kept_output_tokens
 from slotserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
 from slotserve.engine.processor import ProcessedRequest
 from slotserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
@@ -65,9 +66,9 @@ class RequestGroup:
     resumable: bool
     seqs: list[SeqState] = field(default_factory=list)
     num_unfinished: int = 0
-    # Streaming sessions: paused between chunks; chunks (None = end of session) not yet begun.
-    paused: bool = False
-    pending: deque[ProcessedRequest | None] = field(default_factory=deque)
+    # Streaming sessions: idle between chunks; chunks (None = end of session) not yet begun.
+    idle: bool = False
+    queued: deque[ProcessedRequest | None] = field(default_factory=deque)
     # Tokens the session holds in the engine once the current chunk is folded in.
     session_num_tokens: int = 0
 
@@ -102,9 +103,9 @@ class OutputProcessor:
         self._decode = decode
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, SeqState] = {}
-        # Groups with work in the engine (excludes paused sessions, which idle by design).
+        # Groups with work in the engine (not idle sessions, which wait for input by design).
         self._num_active = 0
-        # Outputs produced outside a step (a session ended while paused), returned next step.
+        # Outputs produced outside a step (a session ended while idle), returned next step.
         self._pending_outputs: list[RequestOutput] = []
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -130,10 +131,10 @@ class OutputProcessor:
             return
         # The next chunk of a session, or (non-resumable) the end-of-session mark.
         item = processed if processed.resumable else None
-        if group.paused:
+        if group.idle:
             self._resume(group, item)
         else:
-            group.pending.append(item)
+            group.queued.append(item)
 
     def _start_chunk(self, group: RequestGroup, processed: ProcessedRequest) -> None:
         for seq in group.seqs:
@@ -165,7 +166,7 @@ class OutputProcessor:
             assert out is not None
             self._pending_outputs.append(out)
             return
-        group.paused = False
+        group.idle = False
         self._num_active += 1
         self._start_chunk(group, item)
 
@@ -175,12 +176,12 @@ class OutputProcessor:
         for seq in group.seqs:
             if self.seqs.get(seq.request_id) is seq:
                 del self.seqs[seq.request_id]
-        if not group.paused:
+        if not group.idle:
             self._num_active -= 1
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget the given caller requests; returns the core request ids to abort."""
-        core_ids = []
+        core_ids: list[str] = []
         for rid in request_ids:
             group = self.groups.get(rid)
             if group is None:
@@ -209,9 +210,9 @@ class OutputProcessor:
             if seq is None or seq.finished:
                 continue  # aborted by the caller while the step ran
             group = seq.group
-            if group.paused:
+            if group.idle:
                 if out.finished:  # the engine ended an idle session (timeout)
-                    request_outputs.append(self._end_paused(group, out, now))
+                    request_outputs.append(self._end_idle(group, out, now))
                 continue
             changed[group.request_id] = group
             if out.new_token_ids:
@@ -234,17 +235,16 @@ class OutputProcessor:
         for group in changed.values():
             done = group.num_unfinished == 0
             boundary = not done and group.resumable and group.seqs[0].finish_reason is not None
-            out = self._make_output(group, done, force=boundary)
-            if out is not None:
-                request_outputs.append(out)
+            request_output = self._make_output(group, done, force=boundary)
+            if request_output is not None:
+                request_outputs.append(request_output)
             if done:
                 self._remove(group)
             elif boundary:
                 self._chunk_boundary(group)
         return request_outputs, to_abort
 
-    def _end_paused(self, group: RequestGroup, out: EngineCoreOutput,
-                    now: float) -> RequestOutput:
+    def _end_idle(self, group: RequestGroup, out: EngineCoreOutput, now: float) -> RequestOutput:
         seq = group.seqs[0]
         seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         seq.finish_message = out.finish_message
@@ -282,14 +282,12 @@ class OutputProcessor:
         seq.group.num_unfinished -= 1
 
     def _chunk_boundary(self, group: RequestGroup) -> None:
-        """A session's chunk stopped: it pauses, or starts its next queued chunk."""
-        seq = group.seqs[0]
-        # The engine folds the outputs into the prompt but drops the last sampled token.
-        group.session_num_tokens += max(0, len(seq.token_ids) - 1)
-        group.paused = True
+        """A session's chunk stopped: it goes idle, or starts its next queued chunk."""
+        group.session_num_tokens += kept_output_tokens(len(group.seqs[0].token_ids))
+        group.idle = True
         self._num_active -= 1
-        if group.pending:
-            self._resume(group, group.pending.popleft())
+        if group.queued:
+            self._resume(group, group.queued.popleft())
 
     def _make_output(self, group: RequestGroup, finished: bool, *,
                      force: bool = False) -> RequestOutput | None:

@@ -1,4 +1,4 @@
-"""Turns a caller's prompt and SamplingParams into validated core Requests.
+"""Turns a caller's prompt and SamplingParams into validated EngineCoreRequests.
 
 Everything that can be wrong with a request is found here, before anything reaches the
 scheduler, so a rejected request changes nothing in the engine.
@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slotserve.core.request import Request, validate_token_ids
+from slotserve.core.request import validate_token_ids
+from slotserve.engine.messages import EngineCoreRequest
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutputKind
 from slotserve.sampling_params import SamplingParams
@@ -23,13 +24,13 @@ Conversation = Sequence[Mapping[str, Any]]
 
 @dataclass(slots=True)
 class ProcessedRequest:
-    """A caller's request, ready to submit: one core Request per sequence (n of them)."""
+    """A caller's request, ready to submit: one core request per sequence (n of them)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    requests: list[Request]
+    requests: list[EngineCoreRequest]
     output_kind: RequestOutputKind
     resumable: bool
 
@@ -70,14 +71,6 @@ def apply_chat_template(tokenizer: Any, conversation: Conversation,
     return {"prompt": text, "prompt_token_ids": ids}
 
 
-def normalize_eos(eos: int | Sequence[int] | None) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, int):
-        return [eos]
-    return [int(t) for t in eos]
-
-
 class Processor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_ids: Sequence[int]) -> None:
@@ -91,6 +84,13 @@ class Processor:
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def tokenize_chunk(self, prompt: str | list[int], first: bool) -> list[int]:
+        """A session chunk's tokens: only the session's first chunk starts with BOS and
+        friends."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=first))
+        return list(prompt)
 
     def resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -132,6 +132,8 @@ class Processor:
             raise RequestValidationError("request_id must be a non-empty string", "request_id")
         if params is None:
             params = SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestValidationError("priority must be an integer", "priority")
         if not isinstance(params, SamplingParams):
             raise RequestValidationError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}",
@@ -186,8 +188,9 @@ class Processor:
                     changes["seed"] = params.seed + index
             child_params = params.clone(**changes) if changes else params
             child_id = request_id if params.n == 1 else child_request_id(request_id, index)
-            requests.append(Request(
-                child_id, token_ids, child_params, eos_token_id=self.eos_token_id,
-                priority=priority, arrival_time=arrival_time, resumable=resumable))
+            eos = None if params.ignore_eos else self.eos_token_id
+            requests.append(EngineCoreRequest(
+                child_id, token_ids, child_params, eos, arrival_time, priority, resumable,
+                continues_session=continuation_of is not None))
         return ProcessedRequest(request_id, text, token_ids, params, requests, output_kind,
                                 resumable)

@@ -1,10 +1,9 @@
-"""AsyncLLM: the engine behind an asyncio API, stepping off the event loop.
+"""AsyncLLM: the engine behind an asyncio API, its core stepping off the event loop.
 
-The LLMEngine is not thread-safe, so exactly one thread (the engine loop, engine_loop.py)
-ever calls it, on a thread of this process or in a child process. The asyncio side talks to it
-only through a command queue, and each step's outputs come back with one
-`call_soon_threadsafe` per step. Requests are validated and tokenized here, on the event loop,
-before anything is sent.
+It drives an LLMEngine (the front: validation, tokenization, detokenization) on the event
+loop, over a core that steps on its own thread or in a child process (engine/core_client.py).
+One task on the loop takes each batch of core outputs as it comes, turns it into
+RequestOutputs and hands them to the requests' streams.
 
 Outputs are DELTA outputs: each RequestOutput carries only the text, tokens and logprobs that
 are new since the previous one the caller received. When the caller falls behind, pending
@@ -14,27 +13,26 @@ deltas are merged into one, never across a streaming session's chunk boundary.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import copy
 import dataclasses
-import functools
 import itertools
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from slotserve.engine.processor import ProcessedRequest, Processor
-from slotserve.entrypoints.engine_loop import (
-    LoopStats,
-    ProcessEngineClient,
-    StepResult,
-    ThreadEngineClient,
-)
-from slotserve.errors import EngineDeadError, RequestValidationError
+from slotserve.engine.args import EngineArgs
+from slotserve.engine.core import EngineCore
+from slotserve.engine.core_client import InprocClient
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.messages import EngineStats
+from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
+from slotserve.errors import ConfigError, EngineDeadError, RequestValidationError
+from slotserve.metrics import ServerMetrics
 from slotserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +57,7 @@ class RequestFailedError(RuntimeError):
 class _RequestStream:
     """Outputs of one request waiting for its consumer, on the event loop's side."""
 
-    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "boundaries", "prompts",
-                 "dispatched_chunks")
+    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "boundaries")
 
     def __init__(self, request_id: str, num_seqs: int = 1) -> None:
         self.request_id = request_id
@@ -69,16 +66,6 @@ class _RequestStream:
         self.event = asyncio.Event()
         self.error: BaseException | None = None
         self.boundaries = 0
-        # What was sent, per chunk: a process-mode engine does not send prompts back.
-        self.prompts: list[tuple[str | None, list[int]]] = []
-        self.dispatched_chunks = 0
-
-    def fill_prompt(self, out: RequestOutput) -> None:
-        if out.prompt_token_ids is None and self.prompts:
-            chunk = min(self.dispatched_chunks, len(self.prompts) - 1)
-            out.prompt, out.prompt_token_ids = self.prompts[chunk]
-        if _is_boundary(out):
-            self.dispatched_chunks += 1
 
     def put(self, out: RequestOutput) -> None:
         self.items.append(out)
@@ -139,86 +126,60 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
 
 
 class AsyncLLM:
-    """Async front of an LLMEngine. Build with `AsyncLLM.from_engine_args(model=PATH, ...)`."""
+    """Async front of an LLMEngine whose core steps in the background. Build with
+    `AsyncLLM.from_engine_args(model=PATH, engine_mode="thread" | "process", ...)`."""
 
-    def __init__(self, engine: Any = None, *, metrics: Any = None,
-                 _client: Any = None, _tokenizer: Any = None) -> None:
-        """Serve an LLMEngine built by the caller, on a thread (see from_engine_args for the
-        process mode)."""
+    def __init__(self, engine: LLMEngine, *, metrics: ServerMetrics | None = None) -> None:
+        if isinstance(engine.engine_core, InprocClient):
+            raise ConfigError("AsyncLLM needs a core that steps on its own: engine mode "
+                              "'thread' or 'process'")
+        self.engine = engine
         self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.processor: Processor = engine.processor
+        self.max_model_len = engine.max_model_len
         self._streams: dict[str, _RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._output_handler: asyncio.Task[None] | None = None
         self._ids = itertools.count()
-        # In thread mode the engine object is here (tests reach into it through
-        # call_in_engine); in process mode it lives in the child.
-        self.engine = engine
-        if _client is None:
-            _tokenizer = engine.tokenizer
-            _client = ThreadEngineClient(engine, self._post_from_engine)
-        self._client: ThreadEngineClient | ProcessEngineClient = _client
-        info = _client.info
-        # The engine decodes with its tokenizer on its own thread; the event loop tokenizes
-        # with a copy, so the two never share the Rust object's borrow state.
-        try:
-            self.tokenizer = copy.deepcopy(_tokenizer)
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied still works
-            self.tokenizer = _tokenizer
-        self.max_model_len: int = info.max_model_len
-        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
-                                   info.eos_token_ids)
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, *, metrics: Any = None,
+    def from_engine_args(cls, model: str | None = None, *, metrics: ServerMetrics | None = None,
                          engine_mode: Literal["thread", "process"] = "thread",
                          threads: int | None = None, **engine_args: Any) -> AsyncLLM:
-        """Build the engine on a thread of this process, or (engine_mode="process") in a
-        spawned child process so the step loop never shares a GIL with the event loop (the
-        calling script then needs the usual `if __name__ == "__main__":` guard; `threads`
-        sets the child's torch threads)."""
-        if engine_mode == "thread":
-            from slotserve.engine.llm_engine import LLMEngine
-
-            return cls(LLMEngine.from_engine_args(model=model, **engine_args), metrics=metrics)
-        if engine_mode != "process":
-            raise RequestValidationError(f"unknown engine_mode {engine_mode!r}", "engine_mode")
-        from slotserve.engine.args import EngineArgs
-        from slotserve.engine.llm_engine import load_tokenizer
-
+        """The core on a thread of this process, or (engine_mode="process") in a spawned
+        child process so the step loop never shares a GIL with the event loop (the calling
+        script then needs the usual `if __name__ == "__main__":` guard; `threads` sets the
+        child's torch threads)."""
+        if engine_mode not in ("thread", "process"):
+            raise ConfigError(f"unknown engine_mode {engine_mode!r}; use thread or process")
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        path = args.tokenizer or args.model_path()
-        self = cls.__new__(cls)
-        # The tokenizer loads here while the child starts the engine (seconds each for a large
-        # vocabulary). The child loads it too, so a broken one fails the child the same way.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(load_tokenizer, path)
-            client = ProcessEngineClient(dict(model=model, **engine_args),
-                                         lambda result: self._post_from_engine(result),
-                                         threads=threads)
-        cls.__init__(self, None, metrics=metrics, _client=client,
-                     _tokenizer=tokenizer.result())
-        return self
+        return cls(LLMEngine.from_engine_args(args, mode=engine_mode, threads=threads),
+                   metrics=metrics)
 
     # ----- health -----------------------------------------------------------------------------
 
     @property
-    def errored(self) -> bool:
-        return self._client.dead_error is not None
+    def dead_error(self) -> BaseException | None:
+        return self.engine.engine_core.dead_error
 
     @property
-    def dead_error(self) -> BaseException | None:
-        return self._client.dead_error
+    def errored(self) -> bool:
+        return self.dead_error is not None
 
     def check_health(self) -> None:
-        if self._client.dead_error is not None:
-            raise EngineDeadError(str(self._client.dead_error))
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error))
 
     # ----- inputs -----------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def process_request(self, prompt: str | list[int] | dict[str, Any],
-                        sampling_params: SamplingParams | None = None,
+    def detokenize(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
+
+    def process_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                         request_id: str | None = None, *, priority: int = 0) -> ProcessedRequest:
         """Validate and tokenize a request (raises RequestValidationError, touches nothing)."""
         if request_id is None:
@@ -226,20 +187,20 @@ class AsyncLLM:
         if request_id in self._streams:
             raise RequestValidationError(f"request id {request_id!r} is already running",
                                          "request_id")
-        return self.processor.process(request_id, prompt, sampling_params,
-                                      priority=priority, output_kind=RequestOutputKind.DELTA)
+        return self.engine.process_request(request_id, prompt, sampling_params,
+                                           priority=priority,
+                                           output_kind=RequestOutputKind.DELTA)
 
-    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+    def _register(self, request_id: str | None, num_seqs: int = 1) -> _RequestStream:
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("AsyncLLM is bound to another event loop")
-        return loop
-
-    def _register(self, request_id: str | None, num_seqs: int = 1) -> _RequestStream:
-        self._bind_loop()
         self.check_health()
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = loop.create_task(self._handle_outputs(),
+                                                    name="slotserve-output-handler")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self._streams:
@@ -251,13 +212,12 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: (str | list[int] | dict[str, Any] | ProcessedRequest
-                 | AsyncIterable[StreamingInput]),
+        prompt: PromptType | ProcessedRequest | AsyncIterable[StreamingInput],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream delta RequestOutputs of one request, or of a streaming-input session when
         `prompt` is an async iterable of StreamingInput chunks. A `prompt` already checked
         by `process_request` is submitted as it is.
@@ -273,11 +233,10 @@ class AsyncLLM:
         processed = prompt if isinstance(prompt, ProcessedRequest) else self.process_request(
             prompt, sampling_params, request_id, priority=priority)
         stream = self._register(processed.request_id, len(processed.requests))
-        stream.prompts.append((processed.prompt, processed.prompt_token_ids))
         rid = stream.request_id
         finished = False
         try:
-            self._client.add_processed_request(processed)
+            self.engine.add_processed_request(processed)
             while not finished:
                 for out in merge_deltas(await stream.get_all()):
                     finished = out.finished
@@ -285,7 +244,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._streams.pop(rid, None)
-                self._client.abort([rid])
+                self.engine.abort_request(rid)
 
     async def _generate_session(self, inputs: AsyncIterable[StreamingInput],
                                 default_params: SamplingParams | None, request_id: str | None,
@@ -297,21 +256,17 @@ class AsyncLLM:
         async def feed() -> None:
             try:
                 async for chunk in inputs:
-                    params = chunk.sampling_params or default_params
-                    first = state["sent"] == 0
-                    prompt = chunk.prompt
-                    if isinstance(prompt, str):
-                        # Only the session's first chunk starts with BOS and friends.
-                        prompt = self.tokenize(prompt, add_special_tokens=first)
-                    stream.prompts.append((None, list(prompt)))
-                    self._client.add_request(rid, {"prompt_token_ids": stream.prompts[-1][1]},
-                                             params, priority=priority, resumable=True)
+                    prompt = self.processor.tokenize_chunk(chunk.prompt, state["sent"] == 0)
+                    self.engine.add_request(rid, {"prompt_token_ids": prompt},
+                                            chunk.sampling_params or default_params,
+                                            priority=priority, resumable=True,
+                                            output_kind=RequestOutputKind.DELTA)
                     state["sent"] += 1
                 if state["sent"]:
                     # A non-resumable request with the session's id ends the session once
                     # its last chunk stops.
-                    self._client.add_request(rid, {"prompt_token_ids": []}, default_params,
-                                             priority=priority, resumable=False)
+                    self.engine.add_request(rid, {"prompt_token_ids": []}, default_params,
+                                            priority=priority)
                 state["done"] = True
                 stream.event.set()
             except asyncio.CancelledError:
@@ -342,8 +297,8 @@ class AsyncLLM:
                     finished = out.finished
                     if finished and stream.boundaries >= state["sent"] and not any(
                             c.token_ids for c in out.outputs):
-                        # The session ended while paused (its end mark, or an idle
-                        # timeout): the last chunk's finish was already delivered.
+                        # The session ended while idle (its end mark, or a timeout): the
+                        # last chunk's finish was already delivered.
                         break
                     yield out
                     if finished:
@@ -354,7 +309,7 @@ class AsyncLLM:
                 await feeder
             self._streams.pop(rid, None)
             if not finished or not state["done"]:
-                self._client.abort([rid])
+                self.engine.abort_request(rid)
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -365,92 +320,66 @@ class AsyncLLM:
                 stream.put(RequestOutput(rid, None, [], [
                     CompletionOutput(i, "", [], None, None, "abort")
                     for i in range(stream.num_seqs)], finished=True))
-        self._client.abort(ids)
+        self.engine.abort_request(ids)
 
-    # ----- engine calls -----------------------------------------------------------------------
+    # ----- calls into the core ----------------------------------------------------------------
 
-    async def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread between two steps and return its result.
-        In process mode `fn` must pickle (a module-level function or a partial of one)."""
-        self._bind_loop()
-        return await asyncio.wrap_future(self._client.call(fn))
+    async def call_in_engine(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(engine_core)` between two steps and return its result. In process mode
+        `fn` must pickle (a module-level function or a partial of one)."""
+        return await asyncio.wrap_future(self.engine.engine_core.call_in_core(fn))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return bool(await self.call_in_engine(functools.partial(
-            _reset_prefix_cache, reset_running_requests=reset_running_requests)))
+        return await asyncio.wrap_future(
+            self.engine.engine_core.reset_prefix_cache(reset_running_requests))
 
-    async def get_stats(self) -> Any:
-        return await self.call_in_engine(_get_stats)
-
-    async def loop_stats(self) -> LoopStats:
-        """How busy the front keeps the engine's step loop (time in step() over wall time)."""
-        self._bind_loop()
-        return await asyncio.wrap_future(self._client.loop_stats())
+    async def get_stats(self) -> EngineStats:
+        stats = await asyncio.wrap_future(self.engine.engine_core.get_stats())
+        return self.engine.with_front_counters(stats)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._client.stop(timeout)
+        self.engine.engine_core.shutdown(timeout)
 
-    # ----- outputs from the engine thread -----------------------------------------------------
+    # ----- outputs ----------------------------------------------------------------------------
 
-    def _post_from_engine(self, result: StepResult) -> None:
-        # Called on the engine (or pipe reader) thread: hand over to the event loop, once per
-        # step. Before the first request there is no loop yet, and nothing to deliver.
-        loop = getattr(self, "_loop", None)
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._dispatch, result)
-
-    def _dispatch(self, result: StepResult) -> None:
-        metrics = self.metrics
-        for rid, error in result.request_errors:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream.fail(error)
-        for out in result.outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.fill_prompt(out)
-            if out.finished:
-                if metrics is not None:
-                    _record_finished(metrics, out)
-                if stream is not None:
-                    del self._streams[out.request_id]
-                failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
-                if failed is not None:
-                    message = (failed.finish_message or result.step_error
-                               or "model step failed")
-                    logger.error("request %s failed in the model step: %s", out.request_id,
-                                 message)
-                    if stream is not None:
-                        stream.fail(RequestFailedError(out.request_id, message))
-                        continue
-            if stream is not None:
-                stream.put(out)
-        if result.dead_error is not None:
-            error = EngineDeadError(str(result.dead_error))
+    async def _handle_outputs(self) -> None:
+        """Each batch of core outputs -> RequestOutputs -> the requests' streams."""
+        engine = self.engine
+        try:
+            while True:
+                outputs = await engine.engine_core.get_output_async()
+                step_error = outputs.step_error
+                for out in engine.process_outputs(outputs):
+                    self._dispatch(out, step_error)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller hears of it
+            if not isinstance(exc, EngineDeadError):
+                logger.exception("the output handler failed")
+            error = EngineDeadError(str(exc))
             for stream in self._streams.values():
                 stream.fail(error)
             self._streams.clear()
 
-
-def _reset_prefix_cache(engine: Any, reset_running_requests: bool) -> bool:
-    return bool(engine.reset_prefix_cache(reset_running_requests=reset_running_requests))
-
-
-def _get_stats(engine: Any) -> Any:
-    return engine.get_stats()
-
-
-def _record_finished(metrics: Any, out: RequestOutput) -> None:
-    m = out.metrics
-    reason = out.outputs[0].finish_reason if out.outputs else None
-    metrics.observe_finished(m, reason)
-    if m is None:
-        return
-    metrics.observe_first_token(m.arrival_time, m.first_token_time)
-    times = m.token_times
-    for a, b in itertools.pairwise(times):
-        metrics.observe_itl(b - a)
+    def _dispatch(self, out: RequestOutput, step_error: BaseException | None) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            if self.metrics is not None:
+                self.metrics.record_finished(out)
+            if stream is not None:
+                del self._streams[out.request_id]
+            failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+            if failed is not None:
+                message = failed.finish_message or (
+                    f"{type(step_error).__name__}: {step_error}" if step_error is not None
+                    else "model step failed")
+                logger.error("request %s failed in the model step: %s", out.request_id,
+                             message)
+                if stream is not None:
+                    stream.fail(RequestFailedError(out.request_id, message))
+                    return
+        if stream is not None:
+            stream.put(out)
 
 
 __all__ = ["AsyncLLM", "RequestFailedError", "RequestOutputKind", "StreamingInput",

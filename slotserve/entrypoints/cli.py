@@ -1,22 +1,21 @@
-"""`slotserve` command line: `slotserve generate "To be, or not"` streams from the bundled model.
-
-Other subcommands plug in from their own modules: if `slotserve.entrypoints.serve_cli` exists,
-its `register_subcommands(subparsers)` is called with this parser's subparsers object. Each
-subcommand sets `func` (via `set_defaults(func=...)`), a callable taking the parsed
-`argparse.Namespace` and returning an exit code.
-"""
+"""The `slotserve` command line: `generate` (stream a completion from the bundled model),
+`serve` (the OpenAI-compatible server) and `bench serve` (its load generator). Each subcommand
+sets `func`, which takes the parsed arguments and returns an exit code."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import logging
 import os
 import sys
 import time
+from typing import Any
+
+from slotserve.entrypoints import bench_serve
 
 DEFAULT_PROMPT = "To be, or not"
-# Modules that add subcommands (serve, bench serve, ...); missing ones are skipped.
-PLUGIN_MODULES = ("slotserve.entrypoints.serve_cli",)
+DEFAULT_MODEL_NAME = "slotserve-default"
+logger = logging.getLogger("slotserve.serve")
 
 
 def default_num_threads() -> int:
@@ -57,7 +56,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"torch CPU threads (default: {default_num_threads()})")
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, object]:
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model, "dtype": args.dtype, "device": args.device,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
@@ -88,7 +87,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     threads = set_threads(args.threads)
     from slotserve.engine.llm_engine import LLMEngine
-    from slotserve.engine.processor import apply_chat_template
+    from slotserve.engine.processor import PromptType, apply_chat_template
     from slotserve.outputs import RequestOutputKind
     from slotserve.sampling_params import SamplingParams
 
@@ -96,7 +95,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         engine = LLMEngine.from_engine_args(engine_args)
-        prompt: object = args.prompt
+        prompt: PromptType = args.prompt
         if args.chat:
             prompt = apply_chat_template(engine.tokenizer,
                                          [{"role": "user", "content": args.prompt}])
@@ -139,18 +138,74 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health "
+                        "(default: $SLOTSERVE_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model as given)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None)
+    p.add_argument("--engine-mode", choices=("process", "thread"), default="process",
+                   help="run the engine core in a child process (default; it never shares a "
+                        "GIL with the HTTP side) or on a thread of the server process")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from slotserve.entrypoints.async_llm import AsyncLLM
+    from slotserve.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
+    from slotserve.errors import SlotServeError
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threads = set_threads(args.threads)
+    try:
+        engine = AsyncLLM.from_engine_args(**engine_kwargs_from_args(args),
+                                           engine_mode=args.engine_mode, threads=threads)
+    except SlotServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    app = build_app(engine, served_model_names=[name], api_key=args.api_key,
+                    max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    logger.info("serving %s (max_model_len %d, %d torch threads, engine core in a %s) on "
+                "http://%s:%d%s", name, engine.max_model_len, threads, args.engine_mode,
+                args.host, args.port, " with an API key" if args.api_key else "")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_keep_alive=30)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C after a clean shutdown
+    finally:
+        engine.shutdown()  # idempotent; the app's lifespan normally did it already
+    return 0
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    p = bench_sub.add_parser("serve", help="load-test a running server")
+    p.add_argument("--model", default=None, help="the model folder the server runs, for the "
+                   "prompts' vocabulary (default: the bundled model)")
+    bench_serve.add_cli_args(p)
+    p.set_defaults(func=bench_serve.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slotserve", description="slotserve LLM engine")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(subparsers)
-    for name in PLUGIN_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # the plugin exists but is broken: say so
-                raise
-            continue
-        module.register_subcommands(subparsers)
+    _add_serve(subparsers)
+    _add_bench(subparsers)
     return parser
 
 

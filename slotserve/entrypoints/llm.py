@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from slotserve.engine.args import EngineArgs
-from slotserve.engine.llm_engine import EngineStats, LLMEngine
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.engine.messages import EngineStats
 from slotserve.engine.processor import (
     Conversation,
     ProcessedRequest,
@@ -29,18 +30,17 @@ class LLM:
     `model` defaults to the bundled Shakespeare model.
     """
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(
-            EngineArgs.from_kwargs(model=model, **engine_kwargs))
+    def __init__(self, model: str | None = None, *, llm_engine: LLMEngine | None = None,
+                 **engine_kwargs: Any) -> None:
+        """Build an engine from the arguments, or wrap `llm_engine`, built elsewhere (tests
+        put a fake model runner into one)."""
+        if llm_engine is None:
+            llm_engine = LLMEngine.from_engine_args(
+                EngineArgs.from_kwargs(model=model, **engine_kwargs))
+        elif model is not None or engine_kwargs:
+            raise TypeError("pass either llm_engine or engine arguments, not both")
+        self.llm_engine = llm_engine
         self._counter = itertools.count()
-
-    @classmethod
-    def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an engine built elsewhere (tests inject fake parts into LLMEngine)."""
-        llm = cls.__new__(cls)
-        llm.llm_engine = engine
-        llm._counter = itertools.count()
-        return llm
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

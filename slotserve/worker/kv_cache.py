@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from slotserve.errors import ModelLoadError
+from slotserve.errors import ConfigError
 from slotserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -48,23 +47,16 @@ def available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-@dataclass(slots=True)
-class KVCacheSpec:
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-
-
 def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                          device: torch.device, num_blocks: int | None,
                          kv_cache_memory: int | float | None, max_num_seqs: int,
-                         max_model_len: int) -> KVCacheSpec:
+                         max_model_len: int) -> int:
     """`num_blocks` if given, else derived from a budget (bytes, or a fraction of free memory)."""
     per_block = block_bytes(cfg, block_size, dtype)
     if num_blocks is not None:
         logger.info("KV cache: %d blocks of %d tokens (configured), %.1f MiB",
                     num_blocks, block_size, num_blocks * per_block / 2**20)
-        return KVCacheSpec(num_blocks, block_size, per_block)
+        return num_blocks
 
     # Enough blocks for every slot to hold a full-length sequence, plus the null block: more
     # than this is only useful as prefix-cache room, so the default budget stops there.
@@ -81,7 +73,7 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
         derived = min(budget // per_block, useful)
     elif isinstance(kv_cache_memory, float):
         if not 0.0 < kv_cache_memory <= 1.0:
-            raise ModelLoadError(f"kv_cache_memory fraction must be in (0, 1], "
+            raise ConfigError(f"kv_cache_memory fraction must be in (0, 1], "
                                  f"got {kv_cache_memory}")
         avail = available_memory(device)
         budget = int(avail * kv_cache_memory)
@@ -92,12 +84,12 @@ def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
         how = f"{budget} bytes requested"
         derived = budget // per_block
     if derived < 2:
-        raise ModelLoadError(f"KV cache budget too small: {how} gives {derived} blocks of "
+        raise ConfigError(f"KV cache budget too small: {how} gives {derived} blocks of "
                              f"{per_block} bytes; at least 2 are needed (block 0 is reserved)")
     logger.info("KV cache: %d blocks of %d tokens = %.1f MiB (%s; %d bytes per block; "
                 "%d blocks would hold every slot at max_model_len)", derived, block_size,
                 derived * per_block / 2**20, how, per_block, useful)
-    return KVCacheSpec(int(derived), block_size, per_block)
+    return int(derived)
 
 
 # numpy integer dtype of each torch dtype's width: zero bits are 0.0 in every float format.
@@ -114,8 +106,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(shape, dtype=_SAME_WIDTH[width])).view(dtype)
 
 
-def allocate_kv_cache(cfg: ModelConfig, spec: KVCacheSpec, dtype: torch.dtype,
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (spec.num_blocks, spec.block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(cfg.num_hidden_layers)]

@@ -23,7 +23,7 @@ from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
 from slotserve.worker.input_batch import InputBatch
-from slotserve.worker.kv_cache import allocate_kv_cache, determine_num_blocks
+from slotserve.worker.kv_cache import allocate_kv_cache
 from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
 from slotserve.worker.slots import RequestSlots
 
@@ -42,7 +42,6 @@ class ModelRunner:
         cache_config: CacheConfig,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
-        kv_cache_memory: int | float | None = None,
         seed: int | None = None,
         native_attention: bool = True,
     ) -> None:
@@ -67,13 +66,11 @@ class ModelRunner:
         self.model.init_attention(native_attention)
         cfg = self.model_config
 
-        if kv_cache_memory is None:
-            kv_cache_memory = getattr(cache_config, "kv_cache_memory", None)
-        spec = determine_num_blocks(cfg, self.block_size, self.dtype, self.device,
-                                    cache_config.num_blocks, kv_cache_memory,
-                                    scheduler_config.max_num_seqs, self.max_model_len)
-        self.num_blocks = spec.num_blocks
-        self.kv_caches = allocate_kv_cache(cfg, spec, self.dtype, self.device)
+        # Decided before the runner is built (EngineCore.from_engine_args), as for the
+        # scheduler: both are built from the same CacheConfig.
+        self.num_blocks = cache_config.num_blocks
+        self.kv_caches = allocate_kv_cache(cfg, self.num_blocks, self.block_size, self.dtype,
+                                           self.device)
 
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.slots = RequestSlots(self.max_num_seqs)

@@ -21,6 +21,8 @@ import torch
 from slotserve import LLM, SamplingParams
 from slotserve.checkpoint import load_tokenizer
 from slotserve.engine.args import EngineArgs
+from slotserve.engine.core import EngineCore
+from slotserve.engine.core_client import InprocClient
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.models.loader import load_model
 from slotserve.worker.model_runner import ModelRunner
@@ -93,11 +95,10 @@ def make_llm(gemma: Path, loaded: tuple[Any, Any, Any], **kwargs: Any) -> LLM:
     kwargs.setdefault("max_model_len", 1024)
     args = EngineArgs.from_kwargs(model=str(gemma), dtype="float32", device="cpu", check=True,
                                   seed=0, **kwargs)
-    max_len = args.resolve_max_model_len(cfg.max_position_embeddings)
-    runner = ModelRunner((model, cfg), args.create_scheduler_config(max_len),
-                         args.create_cache_config(), dtype="float32", device="cpu")
-    return LLM.from_engine(LLMEngine(args, model_config=cfg, tokenizer=tokenizer,
-                                     model_runner=runner))
+    config = args.create_engine_config(cfg.max_position_embeddings, kwargs["num_blocks"])
+    runner = ModelRunner((model, cfg), config.scheduler_config, config.cache_config,
+                         dtype="float32", device="cpu", seed=args.seed)
+    return LLM(llm_engine=LLMEngine(InprocClient(EngineCore(config, runner)), tokenizer, cfg))
 
 
 def check(outs: list[Any], reference: list[tuple[list[int], list[float]]]) -> float:

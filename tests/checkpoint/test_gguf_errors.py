@@ -10,12 +10,12 @@ import pytest
 from gguf import GGUFValue, GGUFValueType, GGUFWriter
 
 from slotserve.checkpoint import load_tokenizer, resolve_checkpoint
-from slotserve.entrypoints import serve_cli
+from slotserve.entrypoints import cli
 from slotserve.errors import ModelLoadError
 from slotserve.models.loader import load_model
 from tests.checkpoint.conftest import BundledGGUF
 from tests.checkpoint.gguf_convert import Q, to_gguf
-from tests.models.conftest import build_tiny
+from tests.helpers import build_tiny
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_server_refuses_to_start(tmp_path: Path, capsys: pytest.CaptureFixture[s
     missing = bundled_gguf(Q.Q8_0, "missing.gguf",
                            edit=lambda w: w.tensors[0].pop("blk.0.attn_v.weight"))
     for path, message in ((cut, "truncated"), (missing, "blk.0.attn_v.weight")):
-        code = serve_cli.main(["--model", str(path), "--engine-mode", mode, "--threads", "1",
-                               "--port", "1"])
+        code = cli.main(["serve", "--model", str(path), "--engine-mode", mode, "--threads",
+                         "1", "--port", "1"])
         err = capsys.readouterr().err
         assert code == 2
         assert "error:" in err and str(path) in err and message in err

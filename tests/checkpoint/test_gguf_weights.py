@@ -16,9 +16,7 @@ from slotserve.models.loader import load_model
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
 from tests.checkpoint.gguf_convert import Q, to_gguf
-from tests.models.conftest import TINY_MODELS, build_tiny, randomize
-from tests.models.manual_scheduler import ManualScheduler
-from tests.models.test_model_hf_equivalence import hf_greedy
+from tests.helpers import TINY_MODELS, ManualScheduler, build_tiny, hf_greedy, randomize
 
 NEW_TOKENS = 16
 PROMPTS = [[5, 9, 20, 7], list(range(10, 41)), [100, 3, 3, 250, 17, 60, 61]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from slotserve.core.block_pool import BlockPool
 from slotserve.core.kv_cache_manager import NONE_HASH, KVCacheManager, hash_block_tokens
-from tests.core.helpers import make_request
+from tests.helpers import make_request
 
 
 def test_null_block_and_usable_capacity() -> None:

@@ -7,7 +7,7 @@ import pytest
 from slotserve.core.request import Request, RequestStatus
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams
-from tests.core.helpers import EOS, Harness, make_request, make_scheduler, runner_output
+from tests.helpers import EOS, Harness, make_request, make_scheduler, runner_output
 
 
 def test_running_first_then_waiting_under_one_budget() -> None:

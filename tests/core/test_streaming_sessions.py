@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from slotserve.core.request import Request, RequestStatus
 from slotserve.sampling_params import SamplingParams
-from tests.core.helpers import (
+from tests.helpers import (
     EOS,
     Harness,
-    WorkerSlots,
     make_request,
     make_scheduler,
     runner_output,
@@ -24,21 +23,8 @@ def chunk(rid: str, tokens: list[int], max_tokens: int = 16, resumable: bool = T
                    arrival_time=arrival_time)
 
 
-class Driver(Harness):
-    """A harness whose worker model raises on overflow, applied on every step."""
-
-    def __init__(self, sched) -> None:  # noqa: ANN001
-        super().__init__(sched)
-        self.worker = WorkerSlots(sched.max_num_running_reqs)
-
-    def schedule(self):  # noqa: ANN201
-        out = super().schedule()
-        self.worker.apply(out)
-        return out
-
-
 def test_chunk_fold_matches_vllm_example() -> None:
-    d = Driver(make_scheduler(block_size=4))
+    d = Harness(make_scheduler(block_size=4))
     d.sched.add_request(chunk("s", [1, 2, 3]))
     d.step(10)
     out, outs = d.step(STOP)
@@ -57,7 +43,7 @@ def test_chunk_fold_matches_vllm_example() -> None:
 
 
 def test_per_chunk_sampling_params_and_session_end() -> None:
-    d = Driver(make_scheduler())
+    d = Harness(make_scheduler())
     d.sched.add_request(chunk("s", [1, 2, 3], max_tokens=2))
     d.step()
     _, outs = d.step()
@@ -75,7 +61,7 @@ def test_per_chunk_sampling_params_and_session_end() -> None:
 
 
 def test_end_marker_while_running_ends_session_at_its_stop() -> None:
-    d = Driver(make_scheduler())
+    d = Harness(make_scheduler())
     d.sched.add_request(chunk("s", [1, 2, 3], max_tokens=3))
     d.step()
     d.sched.add_request(chunk("s", [0], resumable=False))
@@ -88,7 +74,7 @@ def test_end_marker_while_running_ends_session_at_its_stop() -> None:
 
 
 def test_zero_token_continuation_recomputes_last_token() -> None:
-    d = Driver(make_scheduler(block_size=4))
+    d = Harness(make_scheduler(block_size=4))
     d.sched.add_request(chunk("s", [1, 2, 3, 4]))
     d.step(10)
     d.step(STOP)
@@ -102,7 +88,7 @@ def test_zero_token_continuation_recomputes_last_token() -> None:
 
 
 def test_window_session_stops_with_next_chunk_queued() -> None:
-    d = Driver(make_scheduler(max_num_seqs=2))
+    d = Harness(make_scheduler(max_num_seqs=2))
     d.sched.add_request(make_request("a", 4, max_tokens=50, ignore_eos=True))
     d.sched.add_request(chunk("s", [1, 2, 3]))
     d.step()
@@ -113,11 +99,11 @@ def test_window_session_stops_with_next_chunk_queued() -> None:
     out = d.schedule()  # the worker model raises on overflow
     assert "s" in {r.req_id for r in out.scheduled_new_reqs}
     assert "x" not in out.num_scheduled_tokens
-    assert d.worker.occupied == {"a", "s"}
+    assert d.checker.holders == {"a", "s"}
 
 
 def test_window_resumed_session_overtaken_by_higher_priority() -> None:
-    d = Driver(make_scheduler(max_num_seqs=1, policy="priority"))
+    d = Harness(make_scheduler(max_num_seqs=1, policy="priority"))
     d.sched.add_request(chunk("s", [1, 2, 3], priority=5, arrival_time=1.0))
     d.step(STOP)
     d.sched.add_request(chunk("s", [4], priority=5, arrival_time=2.0))
@@ -125,11 +111,11 @@ def test_window_resumed_session_overtaken_by_higher_priority() -> None:
     out = d.schedule()
     # x is first by priority but has no slot to take; the session, which holds one, goes.
     assert [r.req_id for r in out.scheduled_new_reqs] == ["s"]
-    assert d.worker.occupied == {"s"}
+    assert d.checker.holders == {"s"}
 
 
 def test_liveness_paused_session_holding_every_block() -> None:
-    d = Driver(make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5))
+    d = Harness(make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5))
     d.sched.add_request(chunk("s", list(range(1, 15))))  # 14 tokens: all 4 blocks
     d.step(STOP)
     assert d.sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
@@ -148,7 +134,7 @@ def test_liveness_paused_session_holding_every_block() -> None:
 
 
 def test_liveness_two_resumed_sessions_each_holding_part() -> None:
-    d = Driver(make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5))
+    d = Harness(make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5))
     d.sched.add_request(chunk("a", [1, 2, 3, 4, 5, 6], arrival_time=1.0))
     d.sched.add_request(chunk("b", [11, 12, 13, 14, 15, 16], arrival_time=2.0))
     d.step(STOP)
@@ -163,22 +149,22 @@ def test_liveness_two_resumed_sessions_each_holding_part() -> None:
             break
         d.step()
     # Both chunks completed: b after reclaiming the paused a's KV in turn.
-    assert set(d.sched.paused) == {"a", "b"}
+    assert set(d.sched.sessions.idle) == {"a", "b"}
     assert all(len(d.sched.requests[r].output_token_ids) == 1 for r in "ab")
 
 
 def test_reset_prefix_cache_reclaims_paused_session() -> None:
-    d = Driver(make_scheduler())
+    d = Harness(make_scheduler())
     d.sched.add_request(chunk("s", [1, 2, 3]))
     d.step(STOP)
     assert d.sched.reset_prefix_cache(reset_running_requests=True) is True
     out = d.schedule()
-    assert out.preempted_req_ids == {"s"} and d.worker.occupied == set()
+    assert out.preempted_req_ids == {"s"} and d.checker.holders == set()
     assert d.sched.requests["s"].status == PAUSED
 
 
 def test_idle_session_times_out() -> None:
-    d = Driver(make_scheduler(streaming_session_timeout_s=0.0))
+    d = Harness(make_scheduler(streaming_session_timeout_s=0.0))
     d.sched.add_request(chunk("s", [1, 2, 3]))
     d.step(STOP)
     out, outs = d.step()
@@ -189,7 +175,7 @@ def test_idle_session_times_out() -> None:
 
 def test_stopped_preempted_session_does_not_hold_a_slot() -> None:
     # A late output stops a session that was preempted in between (vLLM facts 11.4).
-    d = Driver(make_scheduler(max_num_seqs=1))
+    d = Harness(make_scheduler(max_num_seqs=1))
     d.sched.add_request(chunk("s", [1, 2, 3]))
     first = d.schedule()
     d.sched.reset_prefix_cache(reset_running_requests=True)
@@ -198,4 +184,4 @@ def test_stopped_preempted_session_does_not_hold_a_slot() -> None:
     d.sched.add_request(make_request("x", 4, start=300))
     out = d.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == ["x"]
-    assert d.worker.occupied == {"x"}
+    assert d.checker.holders == {"x"}

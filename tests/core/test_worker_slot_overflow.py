@@ -1,22 +1,23 @@
 """The three regression tests from vLLM's slot-overflow bug report, against slotserve.
 
-Each drives the scheduler with a faithful model of the worker's slot table; the vLLM bug
-showed up as `AssertionError: No free indices` in that table.
+Each drives the scheduler with the checker's reference model of the worker's slot table; the
+vLLM bug showed up as `AssertionError: No free indices` in that table.
 """
 
 from __future__ import annotations
 
+from slotserve.check import InvariantChecker
 from slotserve.core.request import RequestStatus
-from tests.core.helpers import WorkerSlots, make_request, make_scheduler, runner_output
+from tests.helpers import make_request, make_scheduler, runner_output
 
 
 def test_streaming_pause_does_not_over_admit_worker_slot() -> None:
     sched = make_scheduler(max_num_seqs=1)
-    worker = WorkerSlots(1)
+    worker = InvariantChecker(sched)
     sched.add_request(make_request("session", 4, max_tokens=16, stop_token_ids=[7],
                                    resumable=True))
     out = sched.schedule()
-    worker.apply(out)
+    worker.on_schedule(out)
     assert [r.req_id for r in out.scheduled_new_reqs] == ["session"]
     sched.update_from_output(out, runner_output(["session"], [[7]]))
     assert sched.requests["session"].status == RequestStatus.WAITING_FOR_STREAMING_REQ
@@ -24,17 +25,17 @@ def test_streaming_pause_does_not_over_admit_worker_slot() -> None:
 
     sched.add_request(make_request("other", 4))
     out = sched.schedule()
-    worker.apply(out)  # must not raise "No free indices"
+    worker.on_schedule(out)  # must not raise "No free indices"
     assert "other" not in {r.req_id for r in out.scheduled_new_reqs}
     assert [r.request_id for r in sched.waiting] == ["other"]
 
 
 def test_reset_prefix_cache_priority_does_not_over_admit_worker_slot() -> None:
     sched = make_scheduler(max_num_seqs=1, policy="priority")
-    worker = WorkerSlots(1)
+    worker = InvariantChecker(sched)
     sched.add_request(make_request("A", 4, max_tokens=100, ignore_eos=True, priority=10))
     out = sched.schedule()
-    worker.apply(out)
+    worker.on_schedule(out)
     sched.update_from_output(out, runner_output(["A"], [[42]]))
     assert sched.requests["A"].status == RequestStatus.RUNNING
 
@@ -45,16 +46,16 @@ def test_reset_prefix_cache_priority_does_not_over_admit_worker_slot() -> None:
     out = sched.schedule()
     assert "A" in out.preempted_req_ids
     assert "B" in {r.req_id for r in out.scheduled_new_reqs}
-    worker.apply(out)
-    assert worker.occupied == {"B"}
+    worker.on_schedule(out)
+    assert worker.holders == {"B"}
 
 
 def test_reset_prefix_cache_same_step_resume_purges_then_re_adds() -> None:
     sched = make_scheduler(max_num_seqs=1)
-    worker = WorkerSlots(1)
+    worker = InvariantChecker(sched)
     sched.add_request(make_request("A", 4, max_tokens=100, ignore_eos=True))
     out = sched.schedule()
-    worker.apply(out)
+    worker.on_schedule(out)
     sched.update_from_output(out, runner_output(["A"], [[42]]))
 
     assert sched.reset_prefix_cache(reset_running_requests=True) is True
@@ -64,5 +65,5 @@ def test_reset_prefix_cache_same_step_resume_purges_then_re_adds() -> None:
     out = sched.schedule()
     assert "A" in out.preempted_req_ids
     assert "A" in {r.req_id for r in out.scheduled_new_reqs}
-    worker.apply(out)
-    assert worker.occupied == {"A"}
+    worker.on_schedule(out)
+    assert worker.holders == {"A"}

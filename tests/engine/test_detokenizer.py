@@ -7,7 +7,8 @@ from typing import Any
 
 from slotserve.engine.detokenizer import IncrementalDetokenizer, make_decode_fn
 from slotserve.sampling_params import SamplingParams
-from tests.engine.conftest import BOS, EOS
+from tests.helpers import TOKENIZER_BOS as BOS
+from tests.helpers import TOKENIZER_EOS as EOS
 
 TEXT = "Héllo wörld, naïve café. 日本語のテキスト 🎉🚀 To be, or not to be"
 

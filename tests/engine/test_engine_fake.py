@@ -17,7 +17,8 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.errors import EngineDeadError, RequestValidationError
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
-from tests.engine.conftest import EOS, FakeEngineFactory
+from tests.helpers import TOKENIZER_EOS as EOS
+from tests.helpers import FakeEngineFactory
 
 
 def prompts_for(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict[str, list[int]]]:
@@ -34,16 +35,16 @@ def token_ids(outs: list[RequestOutput]) -> list[list[int]]:
 
 
 def assert_idle(engine: LLMEngine) -> None:
-    sched = engine.engine_core.scheduler
+    sched = engine.engine_core.engine_core.scheduler
     assert not engine.has_unfinished_requests()
-    assert not sched.requests and len(engine.engine_core.model_runner.slots) == 0
+    assert not sched.requests and len(engine.engine_core.engine_core.model_runner.slots) == 0
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
 
 
 def test_generate_in_order_with_text_and_metrics(fake_engine: FakeEngineFactory,
                                                  tokenizer: Any) -> None:
-    llm = LLM.from_engine(fake_engine())
+    llm = LLM(llm_engine=fake_engine())
     prompts = ["To be, or not", {"prompt_token_ids": [5, 6, 7]}, "Now is the winter"]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outs] == ["To be, or not", None, "Now is the winter"]
@@ -65,7 +66,7 @@ def test_generate_in_order_with_text_and_metrics(fake_engine: FakeEngineFactory,
 
 
 def alone(factory: FakeEngineFactory, prompts: list[Any], params: SamplingParams) -> list[list[int]]:
-    llm = LLM.from_engine(factory())
+    llm = LLM(llm_engine=factory())
     return [token_ids(llm.generate(p, params, use_tqdm=False))[0] for p in prompts]
 
 
@@ -81,7 +82,7 @@ def test_outputs_do_not_depend_on_batching(fake_engine: FakeEngineFactory,
     prompts = prompts_for(16)
     expected = alone(fake_engine, prompts, GREEDY)
     engine = fake_engine(**engine_kwargs)
-    outs = LLM.from_engine(engine).generate(prompts, GREEDY, use_tqdm=False)
+    outs = LLM(llm_engine=engine).generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(outs) == expected
     if "num_blocks" in engine_kwargs:
         assert engine.get_stats().num_preemptions > 0
@@ -93,7 +94,7 @@ def test_shared_prefix_hits_the_cache(fake_engine: FakeEngineFactory) -> None:
     prompts = [{"prompt_token_ids": prefix + [100 + i, 7]} for i in range(8)]
     expected = alone(fake_engine, prompts, GREEDY)
     engine = fake_engine()
-    outs = LLM.from_engine(engine).generate(prompts, GREEDY, use_tqdm=False)
+    outs = LLM(llm_engine=engine).generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(outs) == expected
     stats = engine.get_stats()
     assert stats.prefix_cache_hits >= 7 * 48 and stats.prefix_cache_queries > 0
@@ -122,7 +123,7 @@ def test_reset_prefix_cache_with_running_requests(fake_engine: FakeEngineFactory
 
 
 def find_text_stop(fake_engine: FakeEngineFactory, prompt: Any) -> tuple[str, str]:
-    text = LLM.from_engine(fake_engine()).generate(
+    text = LLM(llm_engine=fake_engine()).generate(
         prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
         use_tqdm=False)[0].outputs[0].text
     assert len(text) > 12
@@ -134,7 +135,7 @@ def test_stop_string_finishes_and_releases(fake_engine: FakeEngineFactory, inclu
     prompt = {"prompt_token_ids": [11, 12, 13, 14]}
     full, stop = find_text_stop(fake_engine, prompt)
     engine = fake_engine()
-    llm = LLM.from_engine(engine)
+    llm = LLM(llm_engine=engine)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop],
                             include_stop_str_in_output=include)
     others = prompts_for(3, seed=9)
@@ -149,7 +150,7 @@ def test_stop_string_finishes_and_releases(fake_engine: FakeEngineFactory, inclu
 def test_n_greater_than_one(fake_engine: FakeEngineFactory) -> None:
     engine = fake_engine()
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, logprobs=2)
-    (out,) = LLM.from_engine(engine).generate({"prompt_token_ids": list(range(5, 45))}, params,
+    (out,) = LLM(llm_engine=engine).generate({"prompt_token_ids": list(range(5, 45))}, params,
                                              use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for c in out.outputs:
@@ -166,7 +167,7 @@ def test_n_greater_than_one(fake_engine: FakeEngineFactory) -> None:
 
 def test_min_tokens_holds_back_eos(fake_engine: FakeEngineFactory) -> None:
     # Find a prompt on which the fake model emits EOS early.
-    llm = LLM.from_engine(fake_engine())
+    llm = LLM(llm_engine=fake_engine())
     params = SamplingParams(temperature=0.0, max_tokens=40)
     for prompt in prompts_for(200, seed=1):
         c = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
@@ -227,14 +228,14 @@ def test_bad_requests_change_nothing(fake_engine: FakeEngineFactory) -> None:
     for rid, prompt, p in bad[:3]:
         with pytest.raises(RequestValidationError):
             engine.add_request(rid, prompt, p)
-    assert set(engine.engine_core.scheduler.requests) == {"ok"}
+    assert set(engine.engine_core.engine_core.scheduler.requests) == {"ok"}
     outs = [o for _ in range(20) for o in engine.step()]
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 10
     # LLM.generate validates every prompt before submitting any.
-    llm = LLM.from_engine(engine)
+    llm = LLM(llm_engine=engine)
     with pytest.raises(RequestValidationError, match="prompt 1"):
         llm.generate(["a", {"prompt_token_ids": [5] * 64}], params, use_tqdm=False)
-    assert not engine.engine_core.scheduler.requests and not engine.output_processor.groups
+    assert not engine.engine_core.engine_core.scheduler.requests and not engine.output_processor.groups
 
 
 def test_forward_failure_fails_that_step_only(fake_engine: FakeEngineFactory) -> None:
@@ -254,7 +255,7 @@ def test_forward_failure_fails_that_step_only(fake_engine: FakeEngineFactory) ->
     assert [(o.request_id, o.outputs[0].finish_reason) for o in finals] == [("c", "length")]
     assert_idle(engine)
     # The offline API raises instead of returning half-failed results.
-    llm = LLM.from_engine(fake_engine(fail_on_step=2))
+    llm = LLM(llm_engine=fake_engine(fail_on_step=2))
     with pytest.raises(EngineDeadError):
         llm.generate(["To be", "Now is"], params, use_tqdm=False)
     assert not llm.llm_engine.output_processor.groups

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from slotserve.entrypoints.llm import LLM
-from tests.engine.test_engine_model import GREEDY, NEW_TOKENS, PROMPTS, as_inputs, hf_greedy
-from tests.models.conftest import build_tiny
+from tests.engine.test_engine_model import GREEDY, NEW_TOKENS, PROMPTS, as_inputs
+from tests.helpers import build_tiny, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Sim
     model = build_tiny("gemma3", path, seed=3, vocab_size=len(tokenizer), bos_token_id=0,
                        eos_token_id=1, pad_token_id=2)
     tokenizer.save_pretrained(path)
-    refs = [hf_greedy(model.hf, p, NEW_TOKENS) for p in PROMPTS]
+    refs = [hf_greedy(model.hf, p, NEW_TOKENS)[0] for p in PROMPTS]
     return SimpleNamespace(path=str(path), hf=model.hf, refs=refs)
 
 
@@ -43,5 +43,5 @@ def test_llm_generate_matches_hf(tiny_gemma3: SimpleNamespace,
         assert stats.num_preemptions > 0
     text = llm.generate(["To be, or not"], GREEDY, use_tqdm=False)[0]
     ids = llm.get_tokenizer()("To be, or not")["input_ids"]
-    assert text.outputs[0].token_ids == hf_greedy(tiny_gemma3.hf, ids, NEW_TOKENS)
+    assert text.outputs[0].token_ids == hf_greedy(tiny_gemma3.hf, ids, NEW_TOKENS)[0]
     assert isinstance(text.outputs[0].text, str) and text.outputs[0].text

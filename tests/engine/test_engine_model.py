@@ -11,12 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 from slotserve.entrypoints.llm import LLM
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 from slotserve.sampling_params import SamplingParams
+from tests.helpers import hf_greedy
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -34,16 +34,9 @@ def make_prompts() -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                          dtype=torch.long), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def hf_refs(tiny_llama: SimpleNamespace) -> list[list[int]]:
-    return [hf_greedy(tiny_llama.hf, p, NEW_TOKENS) for p in PROMPTS]
+    return [hf_greedy(tiny_llama.hf, p, NEW_TOKENS)[0] for p in PROMPTS]
 
 
 def make_llm(tiny_llama: SimpleNamespace, **kwargs: Any) -> LLM:
@@ -61,7 +54,7 @@ def tokens(outs: list[RequestOutput]) -> list[list[int]]:
 
 
 def assert_idle(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     assert not core.scheduler.requests and len(core.model_runner.slots) == 0
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
@@ -128,7 +121,7 @@ def test_streaming_session_matches_hf(tiny_llama: SimpleNamespace) -> None:
     context: list[int] = []
     for chunk, out in zip(chunks, outs, strict=True):
         context += chunk
-        assert out == hf_greedy(tiny_llama.hf, context, 5)
+        assert out == hf_greedy(tiny_llama.hf, context, 5)[0]
         context += out[:-1]  # the last sampled token of a chunk is never fed back
 
 

@@ -9,7 +9,8 @@ import pytest
 from slotserve.engine.processor import Processor, apply_chat_template
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams
-from tests.engine.conftest import BOS, EOS
+from tests.helpers import TOKENIZER_BOS as BOS
+from tests.helpers import TOKENIZER_EOS as EOS
 
 
 @pytest.fixture
@@ -23,16 +24,16 @@ def test_text_and_token_id_prompts(processor: Processor, tokenizer: Any) -> None
     assert p.prompt_token_ids == tokenizer.encode("To be")
     assert p.prompt_token_ids[0] == BOS
     (req,) = p.requests
-    assert req.request_id == "a" and req.eos_token_id == EOS and req.max_tokens == 5
+    assert req.request_id == "a" and req.eos_token_id == EOS and req.sampling_params.max_tokens == 5
     p = processor.process("b", {"prompt_token_ids": [5, 6, 7]}, None)
     assert p.prompt is None and p.requests[0].prompt_token_ids == [5, 6, 7]
 
 
 def test_max_tokens_none_means_up_to_the_context(processor: Processor) -> None:
     p = processor.process("a", {"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=None))
-    assert p.requests[0].max_tokens == 54
+    assert p.requests[0].sampling_params.max_tokens == 54
     p = processor.process("a", {"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=500))
-    assert p.requests[0].max_tokens == 54
+    assert p.requests[0].sampling_params.max_tokens == 54
 
 
 @pytest.mark.parametrize("prompt, param", [
@@ -53,7 +54,7 @@ def test_bad_prompts(processor: Processor, prompt: Any, param: str) -> None:
 
 def test_prompt_at_the_limit_is_accepted(processor: Processor) -> None:
     p = processor.process("a", {"prompt_token_ids": [5] * 63}, SamplingParams(max_tokens=None))
-    assert p.requests[0].max_tokens == 1
+    assert p.requests[0].sampling_params.max_tokens == 1
 
 
 def test_min_tokens_beyond_context(processor: Processor) -> None:

@@ -20,7 +20,7 @@ from slotserve.models.config import (
 from slotserve.models.gemma3 import Gemma3ForCausalLM
 from slotserve.models.loader import load_model
 from slotserve.models.registry import MODEL_CLASSES
-from tests.models.conftest import TinyModel
+from tests.helpers import TinyModel
 
 GEMMA: dict[str, Any] = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
                              hidden_size=640, num_attention_heads=4, num_key_value_heads=1,

@@ -16,8 +16,7 @@ import torch
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
-from tests.models.conftest import VOCAB, TinyModel, build_tiny
-from tests.models.manual_scheduler import ManualScheduler
+from tests.helpers import VOCAB, ManualScheduler, TinyModel, build_tiny, hf_greedy
 
 NEW_TOKENS = 32
 PROMPT_LENS = [1, 3, 7, 12, 17, 24, 33, 45]
@@ -31,16 +30,6 @@ LOGPROB_TOL = {"gemma3": 1e-3}
 def make_prompts(seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                          dtype=torch.long), max_new_tokens=n, min_new_tokens=0,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
-    return tokens, logprobs
 
 
 def make_runner(model: TinyModel, block_size: int = 4, max_num_seqs: int = 8,

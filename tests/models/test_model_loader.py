@@ -12,7 +12,7 @@ import torch
 from slotserve.errors import ModelLoadError
 from slotserve.models.config import ModelConfig
 from slotserve.models.loader import load_model
-from tests.models.conftest import TinyModel, build_tiny
+from tests.helpers import TinyModel, build_tiny
 
 BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=4,
             num_hidden_layers=2, intermediate_size=128, vocab_size=100)

@@ -36,7 +36,7 @@ from slotserve.models.native_attention import (
 )
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
-from tests.models.conftest import VOCAB, TinyModel
+from tests.helpers import VOCAB, TinyModel
 from tests.models.test_paged_attention import run_step
 
 CPU = torch.device("cpu")

@@ -185,12 +185,12 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of range [0, {vocab})", "tokens")
-        return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)))
+        return json_response(DetokenizeResponse(prompt=engine.detokenize(req.tokens)))
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
         if not engine.errored:
-            metrics.set_stats(await engine.get_stats(), await engine.loop_stats())
+            metrics.stats = await engine.get_stats()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")

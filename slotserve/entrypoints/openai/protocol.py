@@ -294,7 +294,3 @@ class SessionChunk(_SamplingFields):
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.logprobs)
-
-
-class SessionEnd(OpenAIBaseModel):
-    type: Literal["end"]

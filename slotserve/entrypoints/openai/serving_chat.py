@@ -26,12 +26,11 @@ from slotserve.entrypoints.openai.protocol import (
     random_uuid,
 )
 from slotserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     ChoiceState,
     OpenAIServing,
+    Outputs,
     merge_generators,
     sse,
-    stream_error,
 )
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
@@ -100,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _collect(self, req: ChatCompletionRequest, processed: ProcessedRequest,
                        request_id: str, created: int, model: str,
-                       outputs: AsyncIterator[tuple[int, RequestOutput]]
+                       outputs: Outputs
                        ) -> ChatCompletionResponse:
         states = [ChoiceState() for _ in range(req.n)]
         cached = 0
@@ -119,10 +118,10 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, created=created, model=model,
                                       choices=choices, usage=usage)
 
-    async def _frames(self, req: ChatCompletionRequest, processed: ProcessedRequest,
-                      request_id: str, created: int, model: str,
-                      first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    def _frames(self, req: ChatCompletionRequest, processed: ProcessedRequest,
+                request_id: str, created: int, model: str,
+                first: tuple[int, RequestOutput],
+                rest: Outputs) -> AsyncIterator[str]:
         states = [ChoiceState() for _ in range(req.n)]
         num_prompt = len(processed.prompt_token_ids)
         opts = req.stream_options
@@ -137,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
                 body.usage = self.usage(num_prompt, sum(s.num_tokens for s in states), cached)
             return sse(body)
 
-        def frames_for(out: RequestOutput) -> list[str]:
+        def frames_for(_: int, out: RequestOutput) -> list[str]:
             nonlocal cached
             cached = out.num_cached_tokens
             frames = []
@@ -158,23 +157,13 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=st.stop_reason if finish else None)]))
             return frames
 
-        # One write per engine output (each socket send costs more than building the JSON),
-        # and the usage event goes out together with [DONE].
-        tail = ""
-        try:
-            # OpenAI opens each choice with the assistant role and empty content.
-            yield "".join([chunk([ChatCompletionResponseStreamChoice(
-                index=k, delta=DeltaMessage(role="assistant", content=""))])
-                for k in range(req.n)] + frames_for(first[1]))
-            async for _, out in rest:
-                if frames := frames_for(out):
-                    yield "".join(frames)
-            if include_usage:
-                tail = sse(ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=self.usage(num_prompt, sum(s.num_tokens for s in states), cached)))
-        except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
-            tail = stream_error(exc)
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
-        yield tail + SSE_DONE
+        def usage() -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[],
+                usage=self.usage(num_prompt, sum(s.num_tokens for s in states),
+                                 cached))) if include_usage else ""
+
+        # OpenAI opens each choice with the assistant role and empty content.
+        opening = [chunk([ChatCompletionResponseStreamChoice(
+            index=k, delta=DeltaMessage(role="assistant", content=""))]) for k in range(req.n)]
+        return self.sse_frames(opening, first, rest, frames_for, usage)

@@ -19,13 +19,12 @@ from slotserve.entrypoints.openai.protocol import (
     random_uuid,
 )
 from slotserve.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     ChoiceState,
     OpenAIServing,
+    Outputs,
     check_prompt_count,
     merge_generators,
     sse,
-    stream_error,
 )
 from slotserve.outputs import RequestOutput
 
@@ -75,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _collect(self, req: CompletionRequest, processed: list[ProcessedRequest],
                        request_id: str, created: int, model: str,
-                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+                       outputs: Outputs) -> CompletionResponse:
         n = req.n
         states = [ChoiceState() for _ in range(len(processed) * n)]
         cached = [0] * len(processed)
@@ -88,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
             p = processed[k // n]
             prefix = ""
             if req.echo:
-                prefix = p.prompt if p.prompt is not None else self.engine.tokenizer.decode(
+                prefix = p.prompt if p.prompt is not None else self.engine.detokenize(
                     p.prompt_token_ids)
             logprobs = None
             if req.logprobs is not None:
@@ -101,10 +100,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=usage)
 
-    async def _frames(self, req: CompletionRequest, processed: list[ProcessedRequest],
-                      request_id: str, created: int, model: str,
-                      first: tuple[int, RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    def _frames(self, req: CompletionRequest, processed: list[ProcessedRequest],
+                request_id: str, created: int, model: str,
+                first: tuple[int, RequestOutput],
+                rest: Outputs) -> AsyncIterator[str]:
         n = req.n
         states = [ChoiceState() for _ in range(len(processed) * n)]
         cached = [0] * len(processed)
@@ -126,7 +125,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     echoed.add(k)
                     p = processed[i]
                     text = (p.prompt if p.prompt is not None else
-                            self.engine.tokenizer.decode(p.prompt_token_ids)) + text
+                            self.engine.detokenize(p.prompt_token_ids)) + text
                 finish = None
                 if st.finish_reason is not None and not st.finish_sent:
                     st.finish_sent = True
@@ -149,22 +148,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 frames.append(sse(chunk))
             return frames
 
-        # One write per engine output (each socket send costs more than building the JSON),
-        # and the usage event goes out together with [DONE].
-        tail = ""
-        try:
-            if frames := frames_for(*first):
-                yield "".join(frames)
-            async for i, out in rest:
-                if frames := frames_for(i, out):
-                    yield "".join(frames)
-            if include_usage:
-                tail = sse(CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=self.usage(num_prompt, sum(s.num_tokens for s in states),
-                                     sum(cached))))
-        except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
-            tail = stream_error(exc)
-        finally:
-            await rest.aclose()  # type: ignore[attr-defined]
-        yield tail + SSE_DONE
+        def usage() -> str:
+            return sse(CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[],
+                usage=self.usage(num_prompt, sum(s.num_tokens for s in states),
+                                 sum(cached)))) if include_usage else ""
+
+        return self.sse_frames([], first, rest, frames_for, usage)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,6 +25,8 @@ from slotserve.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
+# (prompt index, delta output) from every engine request behind one API request.
+Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
 # Prompts in one completions request; each becomes its own engine request (times n).
 MAX_PROMPTS_PER_REQUEST = 256
 
@@ -92,7 +94,7 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.engine.tokenizer.decode([token_id])
+            text = self.engine.detokenize([token_id])
             self._token_text[token_id] = text
         return text
 
@@ -110,14 +112,19 @@ class OpenAIServing:
                          total_tokens=prompt_tokens + completion_tokens,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
-    async def respond(self, raw: Request, req: Any, processed: Any, request_id: str,
-                      model: str, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
-        """SSE frames when `req.stream`, else one JSON body; 499 once the client has gone.
+    def _frames(self, req: Any, processed: Any, request_id: str, created: int, model: str,
+                first: tuple[int, RequestOutput], rest: Outputs) -> AsyncIterator[str]:
+        """The SSE strings of a streamed response (each endpoint defines its own)."""
+        raise NotImplementedError
 
-        Subclasses define `_frames(req, processed, request_id, created, model, first, rest)`
-        (yields SSE strings) and `_collect(req, processed, request_id, created, model,
-        outputs)` (awaits the body).
-        """
+    async def _collect(self, req: Any, processed: Any, request_id: str, created: int,
+                       model: str, outputs: Outputs) -> BaseModel:
+        """The body of a response that is not streamed (each endpoint defines its own)."""
+        raise NotImplementedError
+
+    async def respond(self, raw: Request, req: Any, processed: Any, request_id: str,
+                      model: str, outputs: Outputs) -> Response:
+        """SSE frames when `req.stream`, else one JSON body; 499 once the client has gone."""
         created = int(time.time())
         if req.stream:
             response = await self.stream(raw, outputs, lambda first, rest: self._frames(
@@ -132,7 +139,27 @@ class OpenAIServing:
             return Response(status_code=499)
         return json_response(result)
 
-    async def stream(self, raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]],
+    @staticmethod
+    async def sse_frames(opening: list[str], first: tuple[int, RequestOutput], rest: Outputs,
+                         frames_for: Callable[[int, RequestOutput], list[str]],
+                         usage: Callable[[], str]) -> AsyncIterator[str]:
+        """One write per engine output (each socket send costs more than building the JSON);
+        the usage event (when asked for) goes out together with [DONE]."""
+        tail = ""
+        try:
+            if head := opening + frames_for(*first):
+                yield "".join(head)
+            async for i, out in rest:
+                if frames := frames_for(i, out):
+                    yield "".join(frames)
+            tail = usage()
+        except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
+            tail = stream_error(exc)
+        finally:
+            await rest.aclose()
+        yield tail + SSE_DONE
+
+    async def stream(self, raw: Request, outputs: Outputs,
                      frames: Any) -> Any:
         """Start an SSE response once the first output exists.
 
@@ -220,7 +247,7 @@ async def _wait_disconnect(raw: Request) -> None:
 
 
 async def merge_generators(
-        generators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        generators: list[AsyncGenerator[RequestOutput, None]]) -> Outputs:
     """Interleave several output generators as (generator index, output)."""
     if len(generators) == 1:
         gen = generators[0]
@@ -228,12 +255,12 @@ async def merge_generators(
             async for out in gen:
                 yield 0, out
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = (
         asyncio.Queue())
 
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in gen:
                 queue.put_nowait((i, out, None))
@@ -241,19 +268,19 @@ async def merge_generators(
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
             queue.put_nowait((i, None, exc))
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
 
     tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generators)]
     try:
         remaining = len(tasks)
         while remaining:
-            i, out, exc = await queue.get()
+            i, item, exc = await queue.get()
             if exc is not None:
                 raise exc
-            if out is None:
+            if item is None:
                 remaining -= 1
             else:
-                yield i, out
+                yield i, item
     finally:
         for t in tasks:
             t.cancel()

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from slotserve.core.sessions import kept_output_tokens
 from slotserve.entrypoints.async_llm import StreamingInput
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
@@ -43,8 +44,9 @@ class _SessionState:
 
     def __init__(self) -> None:
         self.num_chunks = 0
-        # Tokens the session holds in the engine as far as finished chunks tell (an in-flight
-        # chunk's outputs are unknown; the engine rechecks exactly).
+        # Tokens the session holds in the engine as far as finished chunks tell (the fold rule
+        # of slotserve.core.sessions; an in-flight chunk's outputs are unknown, and the
+        # engine checks again exactly).
         self.held_tokens = 0
         self.chunk_prompt_lens: list[int] = []
         self.total_prompt = 0
@@ -110,10 +112,7 @@ class OpenAIServingSessions(OpenAIServing):
             raise bad_request("sessions support only n=1", "n")
         params = msg.to_sampling_params(msg.max_tokens)
         first = state.num_chunks == 0
-        prompt = msg.prompt
-        if isinstance(prompt, str):
-            # Only the session's first chunk gets BOS and friends.
-            prompt = self.engine.tokenize(prompt, add_special_tokens=first)
+        prompt = self.engine.processor.tokenize_chunk(msg.prompt, first)
         if first and not prompt:
             raise bad_request("the first chunk's prompt is empty", "prompt")
         self.engine.processor.process(
@@ -122,7 +121,7 @@ class OpenAIServingSessions(OpenAIServing):
         state.num_chunks += 1
         state.held_tokens += len(prompt)
         state.chunk_prompt_lens.append(len(prompt))
-        return StreamingInput(prompt=list(prompt), sampling_params=params)
+        return StreamingInput(prompt=prompt, sampling_params=params)
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
                      inputs: asyncio.Queue[StreamingInput | None]) -> None:
@@ -146,7 +145,7 @@ class OpenAIServingSessions(OpenAIServing):
                 if c.finish_reason is not None:
                     await ws.send_json(self._chunk_done(state, chunk_index, chunk_tokens,
                                                         c.finish_reason, c.stop_reason))
-                    state.held_tokens += max(0, chunk_tokens - 1)
+                    state.held_tokens += kept_output_tokens(chunk_tokens)
                     chunk_index += 1
                     chunk_tokens = 0
         except WebSocketDisconnect:
@@ -159,9 +158,8 @@ class OpenAIServingSessions(OpenAIServing):
                 await ws.send_json({"type": "error", **err.body(), "fatal": True})
                 await ws.close(code=1011)
             return
-        await ws.send_json({"type": "session.done", "id": session_id, "usage": {
-            "prompt_tokens": state.total_prompt, "completion_tokens": state.total_completion,
-            "total_tokens": state.total_prompt + state.total_completion}})
+        await ws.send_json({"type": "session.done", "id": session_id, "usage": _usage(
+            state.total_prompt, state.total_completion)})
         await ws.close(code=1000)
 
     @staticmethod
@@ -171,6 +169,9 @@ class OpenAIServingSessions(OpenAIServing):
         state.total_prompt += prompt
         state.total_completion += num_tokens
         return {"type": "chunk.done", "chunk": index, "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "usage": {"prompt_tokens": prompt, "completion_tokens": num_tokens,
-                          "total_tokens": prompt + num_tokens}}
+                "stop_reason": stop_reason, "usage": _usage(prompt, num_tokens)}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return OpenAIServing.usage(prompt_tokens, completion_tokens, 0).model_dump(
+        exclude={"prompt_tokens_details"})

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, Served
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Served
 
 PROTECTED = [("GET", "/v1/models"), ("GET", "/version"), ("GET", "/metrics"),
              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),

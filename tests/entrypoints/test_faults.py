@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
-from tests.server.conftest import ENGINE_ARGS, MODEL_NAME, LoopThread, Served, start_server
+from tests.entrypoints.conftest import ENGINE_ARGS, MODEL_NAME, LoopThread, Served, start_server
 
 BODY = {"model": MODEL_NAME, "prompt": "Once more unto the breach", "max_tokens": 12,
         "ignore_eos": True, "temperature": 0}
@@ -23,7 +25,7 @@ BODY = {"model": MODEL_NAME, "prompt": "Once more unto the breach", "max_tokens"
 # Module-level, so that a process-mode engine can receive them (call_in_engine pickles).
 def install_fault(engine: Any, after: int) -> None:
     """Make execute_model raise on its `after`-th call from now (0 = the next call)."""
-    runner = engine.engine_core.model_runner
+    runner = engine.model_runner
     real = runner.execute_model
     calls = [0]
 
@@ -37,19 +39,19 @@ def install_fault(engine: Any, after: int) -> None:
 
 
 def remove_fault(engine: Any) -> None:
-    del engine.engine_core.model_runner.execute_model
+    del engine.model_runner.execute_model
 
 
 def break_scheduler(engine: Any) -> None:
-    scheduler = engine.engine_core.scheduler
+    scheduler = engine.scheduler
     real = scheduler.schedule
 
-    def schedule() -> Any:
+    def schedule(now: float | None = None) -> Any:
         # A step that only delivers the last request's releases still succeeds, so the next
         # request is the one that meets the fault.
         if scheduler.requests:
             raise RuntimeError("scheduler state corrupted (injected)")
-        return real()
+        return real(now)
 
     scheduler.schedule = schedule
 
@@ -139,7 +141,7 @@ def test_killed_engine_process_turns_health_503(loop_thread: LoopThread) -> None
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 2:
-                        engine._client._proc.kill()  # the engine dies mid-stream
+                        os.kill(engine.engine.engine_core.pid, signal.SIGKILL)  # dies mid-stream
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "engine_dead"
         assert httpx.get(f"{url}/health").status_code == 503

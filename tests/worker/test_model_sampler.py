@@ -22,8 +22,7 @@ from slotserve.worker.sampler import (
     apply_top_k_top_p,
     mix_seed,
 )
-from tests.models.conftest import VOCAB, TinyModel
-from tests.models.manual_scheduler import ManualScheduler
+from tests.helpers import VOCAB, ManualScheduler, TinyModel
 
 V = 50
 

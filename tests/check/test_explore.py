@@ -10,12 +10,12 @@ from every distinct state. Empty chunks join the menu in the (shallower) merge c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from slotserve.check.canonical import canonical_key
-from slotserve.check.clock import logical_time
 from slotserve.check.events import (
     STOP,
     TOKEN,
@@ -182,35 +182,34 @@ def test_a_session_timeout_replays_from_its_trace(tmp_path: Path) -> None:
               Tick(11.0), Schedule()]
     cfg = ExploreConfig(session_timeout_s=10.0)
     trace = tmp_path / "timeout.jsonl"
-    with logical_time():
-        h = Harness(cfg.scheduler())
-        for e in events[:3]:
-            h.apply(e)
-        assert list(h.sched.paused) == ["r1"]
-        for e in events[3:]:
-            h.apply(e)
-        assert not h.sched.requests
+    h = Harness(cfg.scheduler())
+    for e in events[:3]:
+        h.apply(e)
+    assert list(h.sched.sessions.idle) == ["r1"]
+    for e in events[3:]:
+        h.apply(e)
+    assert not h.sched.requests
     write_trace(cfg, events, str(trace))
     sched, outs = replay(str(trace))
     assert not sched.requests and "r1" in outs[-1].finished_req_ids
-    # Without the clock records the session would still be paused.
-    lines = [ln for ln in trace.read_text().splitlines() if '"clock"' not in ln]
+    # Without the clock the schedule() calls were given, the session would still be idle.
+    records = [json.loads(ln) for ln in trace.read_text().splitlines()]
     plain = tmp_path / "plain.jsonl"
-    plain.write_text("\n".join(lines) + "\n")
+    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "now"}) + "\n"
+                             for r in records))
     sched, _ = replay(str(plain))
-    assert list(sched.paused) == ["r1"]
+    assert list(sched.sessions.idle) == ["r1"]
 
 
 def test_states_equal_up_to_renaming_share_a_key() -> None:
     cfg = ExploreConfig()
-    with logical_time():
-        a, b = Harness(cfg.scheduler()), Harness(cfg.scheduler())
-        for e in (Arrive((1, 3), 2), Abort(0), Arrive((1, 3, 1), 2), Schedule(),
-                  Update(((TOKEN,),))):
-            a.apply(e)
-        for e in (Arrive((1, 3, 1), 2), Schedule(), Update(((TOKEN,),))):
-            b.apply(e)
-        assert set(a.sched.requests) == {"r2"} and set(b.sched.requests) == {"r1"}
-        assert canonical_key(a) == canonical_key(b)
-        b.apply(Schedule())
-        assert canonical_key(a) != canonical_key(b)
+    a, b = Harness(cfg.scheduler()), Harness(cfg.scheduler())
+    for e in (Arrive((1, 3), 2), Abort(0), Arrive((1, 3, 1), 2), Schedule(),
+              Update(((TOKEN,),))):
+        a.apply(e)
+    for e in (Arrive((1, 3, 1), 2), Schedule(), Update(((TOKEN,),))):
+        b.apply(e)
+    assert set(a.sched.requests) == {"r2"} and set(b.sched.requests) == {"r1"}
+    assert canonical_key(a) == canonical_key(b)
+    b.apply(Schedule())
+    assert canonical_key(a) != canonical_key(b)

@@ -11,8 +11,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from tests.server.conftest import API_KEY, MODEL_NAME, Served
-from tests.server.test_concurrency import scrape
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Served, scrape
 
 
 def ws_url(http_url: str) -> str:

@@ -9,20 +9,22 @@ import torch
 
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from slotserve.errors import InvariantViolation, ModelLoadError, SlotOverflowError
+from slotserve.errors import ConfigError, InvariantViolation, SlotOverflowError
 from slotserve.models.config import ModelConfig
 from slotserve.sampling_params import SamplingParams
-from slotserve.worker.kv_cache import block_bytes
+from slotserve.worker.kv_cache import block_bytes, determine_num_blocks
 from slotserve.worker.model_runner import ModelRunner
-from tests.models.conftest import TinyModel
-from tests.models.manual_scheduler import ManualScheduler
+from tests.helpers import ManualScheduler, TinyModel
 
 
 def runner_for(model: TinyModel, max_num_seqs: int = 4, num_blocks: int | None = 64,
-               **kwargs: object) -> ModelRunner:
+               kv_cache_memory: int | float | None = None) -> ModelRunner:
+    if num_blocks is None:  # decided from the memory budget, as the engine's startup does
+        num_blocks = determine_num_blocks(ModelConfig.from_pretrained(model.path), 4,
+                                          torch.float32, torch.device("cpu"), None,
+                                          kv_cache_memory, max_num_seqs, 64)
     return ModelRunner(model.path, SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64),
-                       CacheConfig(block_size=4, num_blocks=num_blocks), device="cpu",
-                       **kwargs)  # type: ignore[arg-type]
+                       CacheConfig(block_size=4, num_blocks=num_blocks), device="cpu")
 
 
 def new_req(req_id: str, tokens: list[int], blocks: list[int], computed: int = 0,
@@ -111,7 +113,7 @@ def test_num_blocks_from_memory_budget(tiny_models: dict[str, TinyModel],
     assert frac.num_blocks >= 2
     default = runner_for(model, num_blocks=None)
     assert default.num_blocks == 4 * 16 + 1  # every slot at max_model_len, plus null block
-    with pytest.raises(ModelLoadError, match="too small"):
+    with pytest.raises(ConfigError, match="too small"):
         runner_for(model, num_blocks=None, kv_cache_memory=per_block)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
+from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -83,24 +83,20 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 
 @pytest.fixture()
 def counted(drained: Served) -> Iterator[tuple[Served, list[str]]]:
-    """Counts every request that reaches the engine thread's add methods."""
+    """Counts every request that reaches the engine core."""
     seen: list[str] = []
 
-    def patch(engine: Any) -> None:
-        add, add_processed = engine.add_request, engine.add_processed_request
+    def patch(core: Any) -> None:
+        add = core.add_request
 
-        def counting_add(request_id: str, *args: Any, **kwargs: Any) -> None:
-            seen.append(request_id)
-            add(request_id, *args, **kwargs)
+        def counting_add(request: Any) -> None:
+            seen.append(request.request_id)
+            add(request)
 
-        def counting_add_processed(processed: Any) -> None:
-            seen.append(processed.request_id)
-            add_processed(processed)
+        core.add_request = counting_add
 
-        engine.add_request, engine.add_processed_request = counting_add, counting_add_processed
-
-    def unpatch(engine: Any) -> None:
-        del engine.add_request, engine.add_processed_request
+    def unpatch(core: Any) -> None:
+        del core.add_request
 
     drained.call_in_engine(patch)
     try:

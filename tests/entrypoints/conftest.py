@@ -8,6 +8,7 @@ background thread, the loop the AsyncLLM is bound to.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import socket
 import threading
@@ -45,9 +46,6 @@ class LoopThread:
     def run(self, coro: Any, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def submit(self, coro: Any) -> Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
@@ -69,10 +67,10 @@ def start_server(loop: LoopThread, app: Any) -> RunningServer:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="websockets-sansio"
-                            if _has_sansio() else "websockets")
-    server = uvicorn.Server(config)
-    done = loop.submit(server.serve(sockets=[sock]))
+    sansio = importlib.util.find_spec("uvicorn.protocols.websockets.websockets_sansio_impl")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           ws="websockets-sansio" if sansio else "websockets"))
+    done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop.loop)
     deadline = time.monotonic() + 20
     while not server.started:
         if done.done():
@@ -81,14 +79,6 @@ def start_server(loop: LoopThread, app: Any) -> RunningServer:
             raise TimeoutError("uvicorn did not start")
         time.sleep(0.01)
     return RunningServer(f"http://127.0.0.1:{port}", server, done)
-
-
-def _has_sansio() -> bool:
-    try:
-        import uvicorn.protocols.websockets.websockets_sansio_impl  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass
@@ -102,7 +92,9 @@ class Served:
         return self.loop.run(self.engine.call_in_engine(fn))
 
     def engine_state(self) -> dict[str, Any]:
-        return self.call_in_engine(engine_state)
+        state = self.call_in_engine(core_state)
+        state.update(self.loop.run(front_state(self.engine)))
+        return state
 
     def wait_drained(self, timeout: float = 20.0) -> dict[str, Any]:
         """Poll until no request, block or slot is held; returns the last state seen."""
@@ -114,8 +106,8 @@ class Served:
         return state
 
 
-def engine_state(engine: Any) -> dict[str, Any]:
-    core = engine.engine_core
+def core_state(core: Any) -> dict[str, Any]:
+    """What the engine core holds (run in the core: module-level, so it pickles)."""
     sched = core.scheduler
     pool = sched.kv_cache_manager.block_pool
     return {
@@ -123,14 +115,33 @@ def engine_state(engine: Any) -> dict[str, Any]:
         "used_blocks": pool.num_usable_blocks - pool.get_num_free_blocks(),
         "worker_slots": sorted(core.model_runner.slots.holders),
         "ledger": sorted(sched.slot_ledger.holders),
-        "groups": sorted(engine.output_processor.groups),
-        "unfinished": engine.has_unfinished_requests(),
+        "core_busy": core.has_requests(),
     }
 
 
+async def front_state(engine: AsyncLLM) -> dict[str, Any]:
+    """What the front holds (read on its event loop)."""
+    front = engine.engine
+    return {"groups": sorted(front.output_processor.groups),
+            "front_busy": front.has_unfinished_requests()}
+
+
 def is_drained(state: dict[str, Any]) -> bool:
+    unfinished = state["core_busy"] or state["front_busy"]
     return (not state["requests"] and state["used_blocks"] == 0 and not state["worker_slots"]
-            and not state["ledger"] and not state["groups"] and not state["unfinished"])
+            and not state["ledger"] and not state["groups"] and not unfinished)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Metric samples by name, summed over labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
 
 
 @pytest.fixture(scope="session")

@@ -9,21 +9,11 @@ import random
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL_NAME, Served
+from tests.entrypoints.conftest import MODEL_NAME, Served, scrape
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 32
-
-
-def scrape(url: str) -> dict[str, float]:
-    """Metric samples by name, summed over labels."""
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
 
 
 async def one_client(http: httpx.AsyncClient, prompt: list[int], hang_up_after: int | None

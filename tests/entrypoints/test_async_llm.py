@@ -11,7 +11,7 @@ from slotserve.entrypoints.async_llm import StreamingInput, merge_deltas
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling_params import SamplingParams
-from tests.server.conftest import Served, is_drained
+from tests.entrypoints.conftest import Served, is_drained
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

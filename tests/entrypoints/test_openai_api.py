@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
+from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
 
 PROMPT = "To be, or not to be, that is the question:"
 

@@ -17,8 +17,7 @@ from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
-from tests.models.conftest import VOCAB, TinyModel
-from tests.models.test_model_hf_equivalence import hf_greedy
+from tests.helpers import VOCAB, TinyModel, hf_greedy
 
 NEW = 24
 

@@ -15,7 +15,7 @@ import pytest
 from slotserve.engine.args import DEFAULT_MODEL
 from slotserve.entrypoints.cli import build_parser
 from slotserve.entrypoints.llm import LLM
-from slotserve.errors import ModelLoadError, RequestValidationError
+from slotserve.errors import ConfigError, ModelLoadError
 from slotserve.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,9 +84,9 @@ def test_unsupported_architecture(tmp_path: Path, tiny_llama: SimpleNamespace) -
 def test_bad_engine_arguments(tiny_llama: SimpleNamespace) -> None:
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(tiny_llama.path, max_num_sequences=4)
-    with pytest.raises(RequestValidationError, match="max_position_embeddings"):
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
         LLM(tiny_llama.path, max_model_len=100_000)
-    with pytest.raises(RequestValidationError, match="KV cache"):
+    with pytest.raises(ConfigError, match="KV cache"):
         LLM(tiny_llama.path, num_blocks=4, max_model_len=200)
 
 
@@ -94,5 +94,5 @@ def test_check_from_environment(monkeypatch: pytest.MonkeyPatch,
                                 tiny_llama: SimpleNamespace) -> None:
     monkeypatch.setenv("SLOTSERVE_CHECK", "1")
     llm = LLM(tiny_llama.path, num_blocks=64)
-    assert llm.llm_engine.engine_core.checker is not None
+    assert llm.llm_engine.engine_core.engine_core.checker is not None
     llm.generate("To be", SamplingParams(max_tokens=3), use_tqdm=False)

@@ -9,7 +9,7 @@ from slotserve.check.trace import TraceRecorder, replay
 from slotserve.core.outputs import ModelRunnerOutput
 from slotserve.core.request import Request, RequestStatus
 from slotserve.sampling_params import SamplingParams
-from tests.core.helpers import make_scheduler
+from tests.helpers import make_request, make_scheduler, sample_for
 
 
 def test_trace_replays_the_same_steps(tmp_path: Path) -> None:
@@ -49,3 +49,30 @@ def test_trace_replays_the_same_steps(tmp_path: Path) -> None:
     assert [dict(o.num_scheduled_tokens) for o in outs] == steps
     assert {k: r.all_token_ids for k, r in replayed.requests.items()} == {
         k: r.all_token_ids for k, r in sched.requests.items()}
+
+
+def test_idle_timeout_replays_at_the_same_step(tmp_path: Path) -> None:
+    """Time enters the scheduler as `now` and the trace records it, so a replay, whenever it
+    runs, ends an idle session at the step where the recorded run ended it."""
+    sched = make_scheduler(block_size=4, streaming_session_timeout_s=30.0)
+    path = str(tmp_path / "t.jsonl")
+    rec = TraceRecorder(path, sched.scheduler_config, sched.cache_config)
+    for r in (make_request("s", [11, 12, 13], max_tokens=2, ignore_eos=True, resumable=True),
+              make_request("busy", 4, max_tokens=40, ignore_eos=True)):
+        sched.add_request(r)
+        rec.add_request(r)
+    released = []
+    for step in range(12):
+        now = 1000.0 + 10.0 * step  # ten seconds a step: the session idles past 30 s
+        out = sched.schedule(now=now)
+        rec.schedule(out, now)
+        mro = sample_for(sched, out)
+        rec.update(out, mro)
+        sched.update_from_output(out, mro)
+        released.append(sorted(out.finished_req_ids))
+    rec.close()
+    idle_from = next(i for i, ids in enumerate(released) if ids == ["s"])
+    assert idle_from >= 5  # stopped at step 1, idle for more than 30 s by step 5
+    replayed, outs = replay(path)
+    assert [sorted(o.finished_req_ids) for o in outs] == released
+    assert "s" not in replayed.requests and "busy" in replayed.requests

@@ -1,0 +1,185 @@
+"""The step loop: the one thread that ever calls the (not thread-safe) EngineCore, and the
+threads around it when it runs in a child process.
+
+One state machine:
+
+    RUNNING --SHUTDOWN request or closed pipe--> STOPPED
+       |
+       +--------- a step raises -------------> DEAD    (EngineDead goes out first)
+
+While RUNNING it applies the queued requests, then steps; it blocks for input only while the
+core is idle (ticking once a second while sessions are idle: schedule() is where they time
+out), so a busy core steps back to back. Whatever it produces (output batches, utility
+results, EngineDead) goes to one `send` callable: the client's inbox on a thread, or the pipe
+in a child process. Once it leaves RUNNING, utility calls still queued fail with
+EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from slotserve.core.outputs import EngineCoreOutput
+from slotserve.engine.args import EngineArgs
+from slotserve.engine.core import EngineCore
+from slotserve.engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequestType,
+    UtilityCall,
+    UtilityResult,
+    portable,
+)
+from slotserve.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+SESSION_TICK_S = 1.0
+
+
+class LoopState(enum.Enum):
+    RUNNING = enum.auto()
+    STOPPED = enum.auto()
+    DEAD = enum.auto()
+
+
+@dataclass(slots=True)
+class EngineDead:
+    """The last message of a loop whose step raised: the core cannot continue."""
+
+    error: BaseException
+
+
+LoopMessage = EngineCoreOutputs | UtilityResult | EngineDead
+LoopInput = tuple[EngineCoreRequestType, Any]
+
+
+class EngineCoreLoop:
+    def __init__(self, core: EngineCore, send: Callable[[LoopMessage], None]) -> None:
+        self.core = core
+        self.send = send
+        self.inputs: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
+        self.state = LoopState.RUNNING
+
+    def run(self) -> None:
+        core = self.core
+        while self.state is LoopState.RUNNING:
+            ticking = core.has_idle_sessions()
+            item = _next(self.inputs, not core.has_requests(), SESSION_TICK_S if ticking else None)
+            while item is not None and self.state is LoopState.RUNNING:
+                self._apply(*item)
+                item = _next(self.inputs)
+            if self.state is LoopState.RUNNING and (core.has_requests() or ticking):
+                self._step()
+        error = EngineDeadError("the engine core has stopped")
+        while (item := _next(self.inputs)) is not None:
+            if item[0] is EngineCoreRequestType.UTILITY:
+                self.send(UtilityResult(item[1].call_id, error, failed=True))
+
+    def _apply(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if kind is EngineCoreRequestType.ADD:
+            try:
+                self.core.add_request(payload)
+            except Exception as exc:  # noqa: BLE001 - the request fails, the core goes on
+                # The front validated it, so the front and the core disagree: end it visibly.
+                logger.error("the engine core refused request %s: %s", payload.request_id, exc)
+                self.send(EngineCoreOutputs([EngineCoreOutput(
+                    payload.request_id, [], "error", finished=True, finish_message=str(exc))]))
+        elif kind is EngineCoreRequestType.ABORT:
+            self.core.abort_requests(payload)
+        elif kind is EngineCoreRequestType.UTILITY:
+            call: UtilityCall = payload
+            try:
+                self.send(UtilityResult(call.call_id, call.fn(self.core)))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self.send(UtilityResult(call.call_id, portable(exc), failed=True))
+        else:
+            self.state = LoopState.STOPPED
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:  # noqa: BLE001 - the core cannot continue
+            logger.exception("engine step failed; the engine is dead")
+            self.state = LoopState.DEAD
+            self.send(EngineDead(portable(exc)))
+            return
+        if outputs.outputs or outputs.scheduled_new_req_ids or outputs.step_error is not None:
+            self.send(outputs)
+
+
+def _next(inputs: queue.SimpleQueue[LoopInput], block: bool = False,
+          timeout: float | None = None) -> LoopInput | None:
+    try:
+        return inputs.get(block, timeout)
+    except queue.Empty:
+        return None
+
+
+# ----------------------------------------------------------------------------- process mode
+
+def run_engine_core_process(conn: Connection, args: EngineArgs, threads: int | None,
+                            log_level: int) -> None:
+    """The child process: build the core, report its decided EngineConfig (or the startup
+    error), then run the loop on this thread between two pipe threads.
+
+    The loop never waits on the pipe: a reader thread queues what arrives, and a sender
+    thread pickles and writes what the loop produces, so pickling overlaps the next forward
+    pass (torch releases the GIL); whatever piled up meanwhile goes out as one message.
+    """
+    import signal
+
+    logging.basicConfig(level=log_level,
+                        format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        core = EngineCore.from_engine_args(args)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(portable(exc))
+        return
+    conn.send(core.config)
+    outbox: queue.SimpleQueue[LoopMessage | None] = queue.SimpleQueue()
+    loop = EngineCoreLoop(core, outbox.put)
+
+    def send_messages() -> None:
+        while True:
+            batch = [outbox.get()]
+            while not outbox.empty():
+                batch.append(outbox.get())
+            done = None in batch
+            try:
+                conn.send([m for m in batch if m is not None])
+            except (OSError, ValueError):
+                return  # the parent is gone
+            if done:
+                return
+
+    def read_inputs() -> None:
+        while True:
+            try:
+                item: LoopInput = conn.recv()
+            except (EOFError, OSError):
+                item = (EngineCoreRequestType.SHUTDOWN, None)
+            loop.inputs.put(item)
+            if item[0] is EngineCoreRequestType.SHUTDOWN:
+                return
+
+    sender = threading.Thread(target=send_messages, name="slotserve-core-output")
+    sender.start()
+    threading.Thread(target=read_inputs, name="slotserve-core-input", daemon=True).start()
+    try:
+        loop.run()
+    finally:
+        outbox.put(None)  # flush what is queued, then let the process end
+        sender.join(30)

@@ -1,0 +1,102 @@
+"""What crosses the boundary between the engine's front and its core (vLLM's EngineCore
+protocol): typed requests in, typed output batches out, whether the core runs in this thread,
+on a background thread or in a child process.
+
+The front (LLMEngine, AsyncLLM) validates, tokenizes and detokenizes; the core sees token ids
+only. Everything here pickles, so the same messages travel a pipe in process mode.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from slotserve.core.outputs import EngineCoreOutput
+from slotserve.core.scheduler import SchedulerStats
+from slotserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from slotserve.engine.core import EngineCore
+
+
+class EngineCoreRequestType(enum.Enum):
+    """What a message to the core asks for (the payload type is named after each)."""
+
+    ADD = enum.auto()  # EngineCoreRequest
+    ABORT = enum.auto()  # list[str]: core request ids
+    UTILITY = enum.auto()  # UtilityCall
+    SHUTDOWN = enum.auto()  # None
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """One core request: a whole request, one sequence of an n > 1 request, or the next chunk
+    (or the end mark) of a streaming-input session."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    resumable: bool = False
+    # The next chunk or the end mark of a session the front knows. The session may have ended
+    # in the core meanwhile (an idle timeout); then the core drops the message, as its end has
+    # already been sent.
+    continues_session: bool = False
+
+
+@dataclass(slots=True)
+class UtilityCall:
+    """`fn(engine_core)` run between two steps: an EngineCore method (get_stats,
+    reset_prefix_cache through functools.partial) or, in tests, any function that pickles."""
+
+    call_id: int
+    fn: Callable[[EngineCore], Any]
+
+
+@dataclass(slots=True)
+class UtilityResult:
+    call_id: int
+    # The return value, or the exception the call raised.
+    value: Any
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class EngineStats(SchedulerStats):
+    """The scheduler's snapshot plus the engine's own counters (cumulative since start)."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_failed_steps: int = 0
+    # How busy the front keeps the core: steps run, and wall / CPU seconds inside them.
+    num_steps: int = 0
+    busy_s: float = 0.0
+    busy_cpu_s: float = 0.0
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """One step's outputs: token ids per core request, and when they were made."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # Monotonic time when the step's schedule() ran and when its outputs were made.
+    schedule_time: float = 0.0
+    timestamp: float = 0.0
+    # Requests (re)admitted this step (their first scheduling time is schedule_time).
+    scheduled_new_req_ids: list[str] = field(default_factory=list)
+    # The model step failed: its requests end with finish_reason "error"; the core goes on.
+    step_error: BaseException | None = None
+
+
+def portable(exc: BaseException) -> BaseException:
+    """An exception that survives the pipe (or a RuntimeError carrying its text)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any unpicklable exception is replaced
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc

@@ -1,0 +1,61 @@
+"""The engine core in a child process: killed, it is noticed at once and every waiting caller
+gets EngineDeadError (streams, utility calls, and whoever calls later)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from slotserve.entrypoints.async_llm import AsyncLLM
+from slotserve.errors import EngineDeadError
+from slotserve.sampling_params import SamplingParams
+
+
+def hold(core: Any, seconds: float) -> None:
+    """Keeps the core busy inside a utility call (module-level: it must pickle)."""
+    time.sleep(seconds)
+
+
+def test_killed_engine_process_fails_every_waiting_caller() -> None:
+    llm = AsyncLLM.from_engine_args(engine_mode="process", threads=1, num_blocks=64,
+                                    max_num_seqs=4, max_model_len=512, check=True)
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+    async def run() -> tuple[list[Any], float]:
+        started = [asyncio.Event(), asyncio.Event()]
+
+        async def consume(i: int) -> None:
+            async for _ in llm.generate("To be, or not", params, f"r{i}"):
+                started[i].set()
+
+        streams = [asyncio.create_task(consume(i)) for i in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        held = asyncio.ensure_future(llm.call_in_engine(functools.partial(hold, seconds=60)))
+        await asyncio.sleep(0.2)  # the core is now inside the call
+        pid = llm.engine.engine_core.pid  # type: ignore[attr-defined]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.wait_for(
+            asyncio.gather(*streams, held, return_exceptions=True), 10)
+        noticed = time.monotonic() - killed
+        # Whoever comes later is refused at once.
+        with pytest.raises(EngineDeadError):
+            await llm.get_stats()
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate("Now is", params):
+                pass
+        return results, noticed
+
+    try:
+        results, noticed = asyncio.run(run())
+    finally:
+        llm.shutdown()
+    assert [type(r) for r in results] == [EngineDeadError] * 3, results
+    assert noticed < 1.0, noticed
+    assert llm.errored

@@ -1,0 +1,419 @@
+"""What the tests share (fixtures live in the conftest.py files): scheduler harnesses, a fake
+model runner, a hand-driven scheduler for worker tests, tiny random checkpoints, a test
+tokenizer, and reading /metrics.
+
+The reference model of the worker's slot table is the invariant checker's own
+(`InvariantChecker.holders`); the real table is `slotserve.worker.slots.RequestSlots`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slotserve.check import InvariantChecker
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from slotserve.core.request import Request
+from slotserve.core.scheduler import Scheduler
+from slotserve.engine.llm_engine import LLMEngine
+from slotserve.sampling_params import SamplingParams
+from slotserve.worker.slots import RequestSlots
+
+if TYPE_CHECKING:  # torch and transformers load only in the tests that build models
+    import torch
+
+# ----- the scheduler, driven by hand ---------------------------------------------------------
+
+EOS = 2
+
+
+def make_scheduler(block_size: int = 16, num_blocks: int = 1024,
+                   enable_prefix_caching: bool = True, **scheduler_config: Any) -> Scheduler:
+    """A scheduler with test defaults; keywords other than the cache's go to SchedulerConfig."""
+    config = {"max_num_seqs": 16, "max_num_batched_tokens": 8192, "max_model_len": 8192,
+              **scheduler_config}
+    return Scheduler(SchedulerConfig(**config),
+                     CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                 enable_prefix_caching=enable_prefix_caching))
+
+
+def make_request(req_id: str, prompt: list[int] | int, max_tokens: int = 16, *,
+                 priority: int = 0, arrival_time: float | None = None, resumable: bool = False,
+                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False,
+                 min_tokens: int = 0, eos: int | None = EOS, cache_salt: str | None = None,
+                 start: int = 100) -> Request:
+    if isinstance(prompt, int):
+        prompt = list(range(start, start + prompt))
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                            ignore_eos=ignore_eos, min_tokens=min_tokens, temperature=0.0)
+    return Request(req_id, prompt, params, eos_token_id=eos, priority=priority,
+                   arrival_time=arrival_time, resumable=resumable, cache_salt=cache_salt)
+
+
+def runner_output(ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=list(ids), req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=sampled)
+
+
+def sample_for(sched: Scheduler, out: SchedulerOutput, token: int | dict[str, int] = 42
+               ) -> ModelRunnerOutput:
+    """One token for every scheduled request whose prefill completes this step."""
+    ids, sampled = [], []
+    for rid in out.num_scheduled_tokens:
+        r = sched.requests.get(rid)
+        ids.append(rid)
+        done = r is not None and r.num_computed_tokens >= r.num_tokens
+        t = token.get(rid, 42) if isinstance(token, dict) else token
+        sampled.append([t] if done else [])
+    return runner_output(ids, sampled)
+
+
+class Harness:
+    """Scheduler + checker + a fake model that samples a fixed token. The checker is the
+    reference model of the worker's slot table (`checker.holders`): it raises "No free
+    indices" the moment a step would overflow it."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.checker = InvariantChecker(sched)
+
+    def schedule(self) -> SchedulerOutput:
+        out = self.sched.schedule(now=time.monotonic())
+        self.checker.on_schedule(out)
+        return out
+
+    def step(self, token: int | dict[str, int] = 42
+             ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        out = self.schedule()
+        return out, self.sched.update_from_output(out, sample_for(self.sched, out, token),
+                                                  now=time.monotonic())
+
+    def run_until_idle(self, token: int = 42, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.sched.has_requests() and steps < max_steps:
+            self.step(token)
+            steps += 1
+        return steps
+
+
+# ----- a torch-free model runner ------------------------------------------------------------
+
+# The fake_engine fixture: keywords are EngineArgs plus num_blocks, max_position_embeddings
+# and fail_on_step (the fake runner's forward pass raises on that step).
+FakeEngineFactory = Callable[..., LLMEngine]
+
+def fake_next_token(context: list[int], vocab_size: int, eos: int | None) -> int:
+    """A hash of the whole context: any mistake in what the worker is handed shows."""
+    h = 0
+    for t in context:
+        h = (h * 1000003 + t + 1) % 2147483647
+    if eos is not None and h % 97 == 0:
+        return eos
+    return 3 + h % (vocab_size - 3)  # 0..2 are special in the test tokenizer
+
+
+class FakeModelRunner:
+    """A torch-free stand-in for the ModelRunner whose next token is fake_next_token: equal
+    outputs across engine configurations mean the worker saw the same contexts."""
+
+    def __init__(self, max_num_seqs: int, vocab_size: int,
+                 fail_on_step: int | None = None) -> None:
+        self.slots = RequestSlots(max_num_seqs)
+        self.vocab_size = vocab_size
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.eos: dict[str, int | None] = {}
+        self.logprobs: dict[str, int | None] = {}
+        self.num_steps = 0
+        self.fail_on_step = fail_on_step
+        self.last_forward_s = 0.0
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.num_steps += 1
+        if self.fail_on_step is not None and self.num_steps == self.fail_on_step:
+            raise RuntimeError("injected forward failure")
+        for rid in out.released_req_ids:
+            self.tokens.pop(rid, None)
+        self.slots.apply(out)
+        for new in out.scheduled_new_reqs:
+            self.tokens[new.req_id] = list(new.prefill_token_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+            self.eos[new.req_id] = new.eos_token_id
+            self.logprobs[new.req_id] = new.sampling_params.logprobs
+        cached = out.scheduled_cached_reqs
+        for rid, n in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            self.computed[rid] = n
+        ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        logprobs: list[list[dict[int, float]] | None] = []
+        for rid in ids:
+            n = out.num_scheduled_tokens[rid]
+            tokens = self.tokens[rid]
+            self.computed[rid] += n
+            assert self.computed[rid] <= len(tokens), (rid, self.computed[rid], len(tokens))
+            if self.computed[rid] < len(tokens):
+                sampled.append([])
+                logprobs.append(None)
+                continue
+            t = fake_next_token(tokens, self.vocab_size, self.eos[rid])
+            tokens.append(t)
+            sampled.append([t])
+            k = self.logprobs[rid]
+            entry = {t: -0.25}
+            for j in range(k or 0):
+                entry.setdefault((t + j + 1) % self.vocab_size, -1.0 - j)
+            logprobs.append(None if k is None else [entry])
+        return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, logprobs)
+
+
+# ----- a hand-driven scheduler for worker tests ----------------------------------------------
+
+@dataclass
+class ManualRequest:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_id: int | None = None
+    outputs: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    needs_new: bool = True  # next schedule sends it as NewRequestData
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs) >= self.max_tokens
+
+
+class ManualScheduler:
+    def __init__(self, block_size: int = 4, num_blocks: int = 4096) -> None:
+        self.block_size = block_size
+        self.free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
+        self.requests: dict[str, ManualRequest] = {}
+        self.pending_finished: set[str] = set()
+        self.pending_preempted: set[str] = set()
+
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams | None = None,
+            max_tokens: int = 8, eos_token_id: int | None = None) -> ManualRequest:
+        req = ManualRequest(req_id, list(prompt), params or SamplingParams(temperature=0.0),
+                            max_tokens, eos_token_id)
+        self.requests[req_id] = req
+        return req
+
+    def _allocate(self, req: ManualRequest, upto: int) -> list[int]:
+        need = math.ceil(upto / self.block_size) - len(req.blocks)
+        new = [self.free.pop() for _ in range(max(need, 0))]
+        req.blocks.extend(new)
+        return new
+
+    def preempt(self, req_id: str) -> None:
+        req = self.requests[req_id]
+        self.free.extend(reversed(req.blocks))
+        req.blocks, req.num_computed, req.needs_new = [], 0, True
+        self.pending_preempted.add(req_id)
+
+    def schedule(self, chunk: int | None = None, only: set[str] | None = None
+                 ) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        num_sched: dict[str, int] = {}
+        for req in self.requests.values():
+            if req.done or (only is not None and req.req_id not in only):
+                continue
+            remaining = len(req.tokens) - req.num_computed
+            n = remaining if chunk is None else min(chunk, remaining)
+            new_blocks = self._allocate(req, req.num_computed + n)
+            if req.needs_new:
+                new_reqs.append(NewRequestData(
+                    req_id=req.req_id, prompt_token_ids=list(req.prompt),
+                    prefill_token_ids=list(req.tokens), block_ids=list(req.blocks),
+                    num_computed_tokens=req.num_computed, sampling_params=req.params,
+                    num_output_tokens=len(req.outputs), eos_token_id=req.eos_token_id))
+                req.needs_new = False
+            else:
+                cached.req_ids.append(req.req_id)
+                cached.new_block_ids.append(new_blocks or None)
+                cached.num_computed_tokens.append(req.num_computed)
+            num_sched[req.req_id] = n
+            req.num_computed += n
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_sched, total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_req_ids=self.pending_finished, preempted_req_ids=self.pending_preempted)
+        self.pending_finished, self.pending_preempted = set(), set()
+        return out
+
+    def update(self, out: ModelRunnerOutput) -> None:
+        for req_id, idx in out.req_id_to_index.items():
+            req = self.requests[req_id]
+            req.outputs.extend(out.sampled_token_ids[idx])
+            if out.logprobs is not None and out.logprobs[idx]:
+                req.logprobs.extend(out.logprobs[idx])
+            if req.done and req_id not in self.pending_finished:
+                self.pending_finished.add(req_id)
+                self.free.extend(reversed(req.blocks))
+                req.blocks = []
+
+    def has_unfinished(self) -> bool:
+        return any(not r.done for r in self.requests.values())
+
+    def run(self, runner, chunk: int | None = None, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_unfinished():
+                break
+            self.update(runner.execute_model(self.schedule(chunk)))
+        # Deliver the last releases, in a step that schedules nothing.
+        runner.execute_model(self.schedule(chunk))
+
+
+# ----- tiny random checkpoints and a test tokenizer ------------------------------------------
+
+VOCAB = 384
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, max_position_embeddings=512,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (transformers config class, model class, extra config kwargs)
+TINY_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # GQA, untied, Llama 3.1 rope scaling written the classic way (transformers 5 moves it
+    # into rope_parameters on save, so both spellings are exercised by the config tests).
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_theta=50000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    # MHA, tied embeddings.
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    # head_dim from config (32) unrelated to hidden / heads (16), GQA 4:1.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+        sliding_window=None)),
+    # qkv bias, tied.
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_theta=1000000.0)),
+    # per-head q/k RMSNorm, head_dim 32, untied.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    # Gemma 3: local layers with a 6-token window (not a multiple of the tests' block sizes,
+    # so windows start mid-block; prompts run far past it) around one global layer, each kind
+    # with its own RoPE (linear scaling on the global one, as the 4B+ models have), one KV
+    # head, head_dim 32 != hidden / heads, a query scale that is not head_dim, tied.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=6, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+}
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: Path
+    hf: torch.nn.Module
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights with a spread large enough that logits are far from ties (std 0.02 is not).
+
+    Gemma multiplies the embedding by sqrt(hidden) and ties the LM head, so with the same
+    spread the input token's own embedding dominates the residual stream and greedy decoding
+    just repeats it: its embeddings are smaller and its norms (which scale by 1 + w) stronger.
+    """
+    import torch
+
+    gemma = getattr(getattr(model, "config", None), "model_type", "") == "gemma3_text"
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_((3.0 if gemma else 1.0) + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.2 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(0.25 * noise if gemma else noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+def build_tiny(name: str, folder: Path, seed: int = 0, **overrides: Any) -> TinyModel:
+    import torch
+    import transformers
+
+    config_name, model_name, extra = TINY_MODELS[name]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
+    model_cls = getattr(transformers, model_name)
+    torch.manual_seed(seed)
+    hf = model_cls(config).eval()
+    randomize(hf, seed)
+    hf.save_pretrained(folder)
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    return TinyModel(name, folder, hf)
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int
+              ) -> tuple[list[int], list[torch.Tensor]]:
+    """Hugging Face greedy decoding: the tokens, and each step's log-probabilities."""
+    import torch
+
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                          dtype=torch.long), max_new_tokens=n, min_new_tokens=0,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    return tokens, logprobs
+
+
+TOKENIZER_BOS, TOKENIZER_EOS = 0, 1
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_CORPUS = [
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune, or to take arms against a sea of troubles",
+    "Héllo wörld, naïve café. Ünïcödé 日本語のテキスト 🎉🚀 emoji and ümlauts.",
+    "Now is the winter of our discontent made glorious summer by this sun of York.",
+] * 20
+
+
+def build_tokenizer(path: Path, vocab_size: int = 320) -> None:
+    """A byte-level BPE tokenizer trained on a few lines (Unicode included), saved to path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", TOKENIZER_BOS)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
