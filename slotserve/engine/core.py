@@ -70,7 +70,8 @@ class EngineCore:
             torch.manual_seed(args.seed)
         dtype = parse_dtype(args.dtype)
         device = default_device() if args.device == "auto" else torch.device(args.device)
-        model, model_config = load_model(path, dtype, device, max_positions=bound + 1)
+        model, model_config = load_model(path, dtype, device, max_positions=bound + 1,
+                                         quantization=args.quantization)
         num_blocks = determine_num_blocks(model_config, args.block_size, dtype, device,
                                           args.num_blocks, args.kv_cache_memory,
                                           args.max_num_seqs, bound)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotserve.checkpoint.dequant import CheckpointTensor
 from slotserve.models.attention import (
     AttentionBackend,
     AttentionMetadataMap,
@@ -27,7 +28,13 @@ from slotserve.models.attention import (
     paged_attention,
 )
 from slotserve.models.config import ModelConfig, RopeConfig
-from slotserve.models.weight_utils import PackedMapping, ShardedLinear, load_packed_weights
+from slotserve.models.quantization import QuantizedEmbedding, QuantizedLinear
+from slotserve.models.weight_utils import (
+    NamedTensors,
+    PackedMapping,
+    ShardedLinear,
+    load_packed_weights,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 KVCaches = list[KVCache]
@@ -232,11 +239,11 @@ class DecoderForCausalLM(nn.Module):
         """Cast the parameters to the compute dtype (a model may keep some in float32)."""
         self.to(dtype=dtype)
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def checkpoint_tensor(self, name: str, tensor: CheckpointTensor) -> CheckpointTensor:
         """HF checkpoint tensor `name` as this model's parameter holds it (here: as is)."""
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    def load_weights(self, weights: NamedTensors, source: str) -> None:
         """Fill every parameter from Hugging Face-named checkpoint tensors."""
         tied = self.config.tie_word_embeddings
 
@@ -319,7 +326,14 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head for the selected rows only; logits in float32."""
-        logits = F.linear(self.model.norm(hidden), self.output_weight)
+        h = self.model.norm(hidden)
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if isinstance(head, QuantizedEmbedding):
+            logits = head.project(h)
+        elif isinstance(head, QuantizedLinear):
+            logits = head(h)
+        else:
+            logits = F.linear(h, self.output_weight)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -44,9 +44,11 @@ class ModelRunner:
         device: str | torch.device | None = None,
         seed: int | None = None,
         native_attention: bool = True,
+        quantization: str = "auto",
     ) -> None:
         """`native_attention=False` keeps decode attention on the torch path even where the
-        native CPU kernel would build (EngineArgs.native_attention)."""
+        native CPU kernel would build (EngineArgs.native_attention); `quantization` is
+        load_model's, for a runner that loads its model from a path."""
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
         self.scheduler_config = scheduler_config
@@ -57,7 +59,8 @@ class ModelRunner:
             self.model, self.model_config = model
         else:
             self.model, self.model_config = load_model(model, self.dtype, self.device,
-                                                       max_positions=self.max_model_len + 1)
+                                                       max_positions=self.max_model_len + 1,
+                                                       quantization=quantization)
         if self.model.rope_cos.shape[0] <= self.max_model_len:
             self.model.init_rope(self.max_model_len + 1)
         if self.device.type == "cpu":
