@@ -19,6 +19,7 @@ import torch
 from slotserve.checkpoint import resolve_checkpoint
 from slotserve.checkpoint.dequant import materialize
 from slotserve.errors import ModelLoadError
+from slotserve.memory import trim_heap
 from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.quantization import (
@@ -67,6 +68,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     weights = ((name, t if name in kept else materialize(t, torch_dtype))
                for name, t in ckpt.reader.weights(names))
     model.load_weights(weights, source=ckpt.reader.source)
+    trim_heap()  # what dequantizing and converting tensors allocated on the way
     model.eval()
     model.requires_grad_(False)
     model.init_rope(max_positions or cfg.max_position_embeddings)

@@ -15,10 +15,10 @@ Types with a kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (`KERNEL_TYP
 library is built like the decode-attention kernel (`native_build`); when it cannot be built,
 `qmatmul_available()` says no (logged once) and the loader dequantizes instead.
 
-`qmatmul` and `dequant_rows` check their arguments for real (`NativeKernelError`, not
-asserts); the kernel checks the block layout, row ranges and row ids again before reading.
-Nothing is allocated per call except the caller-visible output: the dequantization scratch is
-per calling thread and grows to the largest need seen.
+`QuantWeight` checks a weight once and its calls' arguments every time, for real
+(`NativeKernelError`, not asserts); the kernel checks the block layout, row ranges and row ids
+again before reading. Nothing is allocated per call: the dequantization scratch is per calling
+thread and grows to the largest need seen.
 """
 
 from __future__ import annotations
@@ -107,16 +107,6 @@ def _check(ok: bool, what: str) -> None:
         raise NativeKernelError(f"quantized matmul: {what}")
 
 
-def _check_weight(weight: torch.Tensor, qtype: int, k: int) -> None:
-    block, size = block_layout(qtype)
-    _check(weight.dtype == torch.uint8 and weight.device.type == "cpu" and weight.dim() == 2
-           and weight.is_contiguous(), "the weight must be a contiguous uint8 CPU tensor "
-           "[rows, bytes per row]")
-    _check(k > 0 and k % block == 0 and weight.shape[1] == k // block * size,
-           f"{KERNEL_TYPES[qtype]} rows of {k} values take {k // block * size} bytes, "
-           f"the weight has {weight.shape[1]}")
-
-
 def _scratch(threads: int, k: int) -> torch.Tensor:
     """This thread's scratch: `threads` rows of at least a tile of k-value rows."""
     per = max(_TILE_FLOATS, _NR * k)
@@ -129,60 +119,74 @@ def _scratch(threads: int, k: int) -> torch.Tensor:
     return buf
 
 
-def qmatmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-    """out[:, :] = x @ W^T, W being `weight`'s rows of GGML type `qtype` blocks.
+class QuantWeight:
+    """A matrix [n, k] held as n rows of GGML type `qtype` blocks (`blocks`: uint8 [n, bytes
+    per row], contiguous, on the CPU), checked once here; each call checks only its own
+    arguments. Requires qmatmul_available() to have returned True."""
 
-    x [m, k] float32 (rows may be strided, values contiguous); weight [n, bytes per row]
-    uint8 contiguous; out [m, n] float32 (rows may be strided: a column slice of a larger
-    output is fine, values contiguous). Requires qmatmul_available() to have returned True.
-    """
-    lib = _library()
-    _check(x.dim() == 2 and out.dim() == 2, "x and out must be matrices")
-    m, k = x.shape
-    n = weight.shape[0]
-    _check_weight(weight, qtype, k)
-    _check(x.dtype == out.dtype == torch.float32 and x.device.type == out.device.type == "cpu",
-           "x and out must be float32 CPU tensors")
-    _check(tuple(out.shape) == (m, n), f"out must be [{m}, {n}], got {tuple(out.shape)}")
-    _check(x.stride(1) == 1 and out.stride(1) == 1 and (m <= 1 or (x.stride(0) >= k
-                                                                  and out.stride(0) >= n)),
-           "x and out must have contiguous rows")
-    if m == 0 or n == 0:
-        return
-    threads = min(torch.get_num_threads(), max(1, n // (4 * _NR)))
-    if m * n * k < _PARALLEL_MIN_WORK:
-        threads = 1
-    scratch = _scratch(threads, k)
-    per = scratch.shape[1]
+    __slots__ = ("blocks", "k", "n", "qtype", "row_bytes")
 
-    def run(part: int, n0: int, n1: int) -> None:
-        rc = lib.matmul(qtype, weight.data_ptr(), n, k, weight.shape[1], x.data_ptr(),
-                        x.stride(0), m, out.data_ptr(), out.stride(0), n0, n1,
-                        scratch.data_ptr() + part * per * 4, per)
+    def __init__(self, blocks: torch.Tensor, qtype: int, k: int) -> None:
+        block, size = block_layout(qtype)
+        _check(blocks.dtype == torch.uint8 and blocks.device.type == "cpu"
+               and blocks.dim() == 2 and blocks.is_contiguous(), "the weight must be a "
+               "contiguous uint8 CPU tensor [rows, bytes per row]")
+        _check(k > 0 and k % block == 0 and blocks.shape[1] == k // block * size,
+               f"{KERNEL_TYPES[qtype]} rows of {k} values take {k // block * size} bytes, "
+               f"the weight has {blocks.shape[1]}")
+        self.blocks, self.qtype, self.k = blocks, qtype, k
+        self.n, self.row_bytes = blocks.shape
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ W^T: x [m, k] float32, out [m, n] float32 (rows of either may be
+        strided, e.g. out a column slice of a larger output; values contiguous)."""
+        lib = _library()
+        n, k = self.n, self.k
+        _check(x.dim() == 2 and out.dim() == 2, "x and out must be matrices")
+        m = x.shape[0]
+        _check(x.shape[1] == k and out.shape[0] == m and out.shape[1] == n,
+               f"x {tuple(x.shape)} and out {tuple(out.shape)} do not fit a [{n}, {k}] weight")
+        _check(x.dtype == torch.float32 and out.dtype == torch.float32
+               and x.device.type == "cpu" and out.device.type == "cpu",
+               "x and out must be float32 CPU tensors")
+        ldx, ldo = x.stride(0), out.stride(0)
+        _check(x.stride(1) == 1 and out.stride(1) == 1 and (m <= 1 or (ldx >= k and ldo >= n)),
+               "x and out must have contiguous rows")
+        if m == 0 or n == 0:
+            return
+        threads = torch.get_num_threads()
+        if threads > 1:  # small products are not worth the pool's hand-offs
+            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= _PARALLEL_MIN_WORK \
+                else 1
+        scratch = _scratch(threads, k)
+        per = scratch.shape[1]
+        args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, x.data_ptr(), ldx, m,
+                out.data_ptr(), ldo)
+
+        def run(part: int, n0: int, n1: int) -> None:
+            rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
+            if rc != 0:
+                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+
+        if threads <= 1:
+            run(0, 0, n)
+            return
+        # Ranges of whole register tiles, one per thread (ctypes drops the GIL during a call).
+        tiles = -(-n // _NR)
+        bounds = [min(n, tiles * j // threads * _NR) for j in range(threads + 1)]
+        list(kernel_pool(threads).map(run, range(threads), bounds[:-1], bounds[1:]))
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = row ids[i] dequantized (an embedding lookup): ids int64 [r] contiguous,
+        out [r, k] float32 with contiguous rows. A row id outside W raises, nothing written."""
+        lib = _library()
+        _check(ids.dtype == torch.int64 and ids.device.type == "cpu" and ids.dim() == 1
+               and ids.is_contiguous(), "ids must be a contiguous int64 CPU vector")
+        _check(out.dtype == torch.float32 and out.device.type == "cpu" and out.dim() == 2
+               and out.shape[0] == ids.shape[0] and out.shape[1] == self.k
+               and out.stride(1) == 1,
+               f"out must be float32 [{ids.shape[0]}, {self.k}] with contiguous rows")
+        rc = lib.rows(self.qtype, self.blocks.data_ptr(), self.n, self.k, self.row_bytes,
+                      ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
         if rc != 0:
-            raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
-
-    if threads <= 1:
-        run(0, 0, n)
-        return
-    # Ranges of whole register tiles, one per thread (ctypes drops the GIL during a call).
-    tiles = -(-n // _NR)
-    bounds = [min(n, tiles * j // threads * _NR) for j in range(threads + 1)]
-    list(kernel_pool(threads).map(run, range(threads), bounds[:-1], bounds[1:]))
-
-
-def dequant_rows(weight: torch.Tensor, qtype: int, k: int, ids: torch.Tensor,
-                 out: torch.Tensor) -> None:
-    """out[i] = row ids[i] of W dequantized (an embedding lookup): ids int64 [r] contiguous,
-    out [r, k] float32 with contiguous rows. A row id outside W raises, nothing written."""
-    lib = _library()
-    _check_weight(weight, qtype, k)
-    _check(ids.dtype == torch.int64 and ids.device.type == "cpu" and ids.dim() == 1
-           and ids.is_contiguous(), "ids must be a contiguous int64 CPU vector")
-    _check(out.dtype == torch.float32 and out.device.type == "cpu"
-           and tuple(out.shape) == (ids.shape[0], k) and out.stride(1) == 1,
-           f"out must be float32 [{ids.shape[0]}, {k}] with contiguous rows")
-    rc = lib.rows(qtype, weight.data_ptr(), weight.shape[0], k, weight.shape[1],
-                  ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
-    if rc != 0:
-        raise NativeKernelError(f"quantized embedding: {_ERRORS.get(rc, f'error {rc}')}")
+            raise NativeKernelError(f"quantized embedding: {_ERRORS.get(rc, f'error {rc}')}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -29,9 +29,8 @@ from slotserve.checkpoint.dequant import CheckpointTensor, copy_blocks, gguf_typ
 from slotserve.errors import ConfigError, ModelLoadError
 from slotserve.models.native_qmatmul import (
     KERNEL_TYPES,
+    QuantWeight,
     block_layout,
-    dequant_rows,
-    qmatmul,
     qmatmul_available,
 )
 from slotserve.models.weight_utils import ShardedLinear, checkpoint_names, default_weight_loader
@@ -61,6 +60,27 @@ class QuantShard:
     qtype: int
 
 
+@dataclass(frozen=True, slots=True)
+class QuantSegment:
+    """Adjacent shards of one type, held in one block buffer: one kernel call for all of
+    them (Gemma 3's gate and up; q and k, and v too where it has their type)."""
+
+    start: int
+    rows: int
+    qtype: int
+
+
+def _segments(shards: list[QuantShard]) -> list[QuantSegment]:
+    out: list[QuantSegment] = []
+    for s in shards:
+        last = out[-1] if out else None
+        if last is not None and last.qtype == s.qtype and last.start + last.rows == s.start:
+            out[-1] = QuantSegment(last.start, last.rows + s.rows, s.qtype)
+        else:
+            out.append(QuantSegment(s.start, s.rows, s.qtype))
+    return out
+
+
 def _row_bytes(qtype: int, cols: int) -> int:
     block, size = block_layout(qtype)
     return cols // block * size
@@ -78,45 +98,80 @@ def _load_blocks(buffer: torch.Tensor, loaded: CheckpointTensor, qtype: int, col
     copy_blocks(loaded, buffer)  # type: ignore[arg-type]  # gguf_type() checked it is blocks
 
 
-class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W's shards in GGUF blocks. `weight` is an empty placeholder
-    that gives checkpoint tensors a parameter to be routed to (`load_packed_weights`)."""
+class _QuantModule(nn.Module):
+    """The kernel's view of the block buffers (`QuantWeight`s), made on first use and again
+    after anything (`to_empty`, `to`) replaced the buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._views: list[QuantWeight] | None = None
+
+    def _make_views(self) -> list[QuantWeight]:
+        raise NotImplementedError
+
+    def views(self) -> list[QuantWeight]:
+        if self._views is None:
+            self._views = self._make_views()
+        return self._views
+
+    def _apply(self, fn: Any, recurse: bool = True) -> _QuantModule:
+        self._views = None
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        return self
+
+
+class QuantizedLinear(_QuantModule):
+    """y = x @ W^T (+ bias) with W's rows in GGUF blocks, one buffer per run of same-type
+    shards. `weight` is an empty placeholder that gives checkpoint tensors a parameter to be
+    routed to (`load_packed_weights`); `weight_loader` puts them into their buffer's rows."""
 
     def __init__(self, in_features: int, out_features: int, shards: list[QuantShard],
                  bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.shards = shards
+        self.segments = _segments(shards)
         self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
-        for i, s in enumerate(shards):
+        for i, seg in enumerate(self.segments):
             self.register_buffer(f"qweight_{i}", torch.empty(
-                s.rows, _row_bytes(s.qtype, in_features), dtype=torch.uint8))
+                seg.rows, _row_bytes(seg.qtype, in_features), dtype=torch.uint8))
 
     def blocks(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = [getattr(self, f"qweight_{i}") for i in range(len(self.shards))]
+        out: list[torch.Tensor] = [getattr(self, f"qweight_{i}")
+                                   for i in range(len(self.segments))]
         return out
+
+    def _make_views(self) -> list[QuantWeight]:
+        return [QuantWeight(b, seg.qtype, self.in_features)
+                for b, seg in zip(self.blocks(), self.segments, strict=True)]
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
-        i = next((i for i, s in enumerate(self.shards) if s.shard_id == shard_id), None)
-        if i is None:
+        shard = next((s for s in self.shards if s.shard_id == shard_id), None)
+        if shard is None:
             raise ModelLoadError(f"tensor {name}: no shard {shard_id!r} in this layer")
-        shard = self.shards[i]
         if param is self.bias:
             if not isinstance(loaded, torch.Tensor):
                 raise ModelLoadError(f"tensor {name}: a bias must be dequantized")
             default_weight_loader(param[shard.start:shard.start + shard.rows], loaded, name)
             return
-        _load_blocks(self.blocks()[i], loaded, shard.qtype, self.in_features, name)
+        i, seg = next((i, g) for i, g in enumerate(self.segments)
+                      if g.start <= shard.start < g.start + g.rows)
+        rows = self.blocks()[i][shard.start - seg.start:shard.start - seg.start + shard.rows]
+        _load_blocks(rows, loaded, shard.qtype, self.in_features, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        for shard, blocks in zip(self.shards, self.blocks(), strict=True):
-            qmatmul(x, blocks, shard.qtype, out[:, shard.start:shard.start + shard.rows])
+        views = self.views()
+        if len(views) == 1:
+            views[0].matmul(x, out)
+        else:
+            for seg, view in zip(self.segments, views, strict=True):
+                view.matmul(x, out[:, seg.start:seg.start + seg.rows])
         if self.bias is not None:
             out += self.bias
         return out
@@ -124,9 +179,8 @@ class QuantizedLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight [out_features, in_features] as float32 (what `none` would hold)."""
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        for shard, blocks in zip(self.shards, self.blocks(), strict=True):
-            dequant_rows(blocks, shard.qtype, self.in_features,
-                         torch.arange(shard.rows), w[shard.start:shard.start + shard.rows])
+        for seg, view in zip(self.segments, self.views(), strict=True):
+            view.rows(torch.arange(seg.rows), w[seg.start:seg.start + seg.rows])
         return w
 
     def extra_repr(self) -> str:
@@ -134,7 +188,7 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
 
 
-class QuantizedEmbedding(nn.Module):
+class QuantizedEmbedding(_QuantModule):
     """An embedding table in GGUF blocks: lookups dequantize only the rows asked for, and
     `project` multiplies by the table (the output projection of a tied model)."""
 
@@ -148,6 +202,9 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("qweight", torch.empty(
             num_embeddings, _row_bytes(qtype, embedding_dim), dtype=torch.uint8))
 
+    def _make_views(self) -> list[QuantWeight]:
+        return [QuantWeight(self.qweight, self.qtype, self.embedding_dim)]
+
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
         del param, shard_id
@@ -156,7 +213,7 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.embedding_dim, dtype=torch.float32)
-        dequant_rows(self.qweight, self.qtype, self.embedding_dim, ids, out)
+        self.views()[0].rows(ids, out)
         return out.view(*input_ids.shape, self.embedding_dim)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +221,7 @@ class QuantizedEmbedding(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.num_embeddings, dtype=torch.float32)
-        qmatmul(x, self.qweight, self.qtype, out)
+        self.views()[0].matmul(x, out)
         return out
 
     def dequantized(self) -> torch.Tensor:

@@ -388,6 +388,9 @@ static int check_layout(const qtype_info* t, int64_t n, int64_t k, int64_t row_b
 #ifndef X_BLOCK_BYTES
 #define X_BLOCK_BYTES (256 * 1024)  /* rows of x per block: they stay in L2 */
 #endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 16384
+#endif
 #ifndef TILE_ROWS
 #define TILE_ROWS 4               /* weight rows dequantized at a time: they stay in L1 */
 #endif
@@ -503,6 +506,14 @@ int slotserve_qmatmul_f32(int32_t type, const uint8_t* w, int64_t n, int64_t k,
         int64_t m1 = m - m0 < mb ? m : m0 + mb;
         for (int64_t t0 = n0; t0 < n1; t0 += TILE_ROWS) {
             int64_t rows = n1 - t0 < TILE_ROWS ? n1 - t0 : TILE_ROWS;
+            /* The weight is read once per step, from DRAM: ask now for the bytes that lie
+               PREFETCH_BYTES beyond this tile, so they arrive while this one is multiplied. */
+            {
+                const uint8_t* lo = w + t0 * row_bytes + PREFETCH_BYTES;
+                const uint8_t* hi = w + n1 * row_bytes;
+                const uint8_t* end = lo + rows * row_bytes < hi ? lo + rows * row_bytes : hi;
+                for (const uint8_t* p = lo; p < end; p += 64) __builtin_prefetch(p, 0, 0);
+            }
             for (int64_t r = 0; r < rows; r++)
                 t->fn(w + (t0 + r) * row_bytes, k / t->block, scratch + r * k);
             for (int64_t j = 0; j < rows; j += NR) {
