@@ -22,6 +22,7 @@ from slotserve.core.scheduler import Scheduler
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.loading import load_model_config
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, portable
+from slotserve.memory import resident_bytes
 from slotserve.worker.slots import RequestSlots
 
 logger = logging.getLogger(__name__)
@@ -113,11 +114,17 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.make_stats()
+        # A model runner reports what it holds (`ModelRunner.memory`); test doubles hold none.
+        memory = getattr(self.model_runner, "memory", None)
         return EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
                            s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_preemptions, num_failed_steps=self.num_failed_steps,
                            num_steps=self.num_steps, busy_s=self.busy_s,
-                           busy_cpu_s=self.busy_cpu_s)
+                           busy_cpu_s=self.busy_cpu_s,
+                           weights_bytes=getattr(memory, "weights_bytes", 0),
+                           quantized_weights_bytes=getattr(memory, "quantized_weights_bytes", 0),
+                           kv_cache_bytes=getattr(memory, "kv_cache_bytes", 0),
+                           resident_bytes=resident_bytes())
 
     # ----- the step ---------------------------------------------------------------------------
 

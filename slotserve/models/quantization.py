@@ -163,9 +163,14 @@ class QuantizedLinear(_QuantModule):
         _load_blocks(rows, loaded, shard.qtype, self.in_features, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x)
+
+    def project(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias) into `out` [rows, out_features] float32 (new when None)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         views = self.views()
         if len(views) == 1:
             views[0].matmul(x, out)
@@ -216,11 +221,13 @@ class QuantizedEmbedding(_QuantModule):
         self.views()[0].rows(ids, out)
         return out.view(*input_ids.shape, self.embedding_dim)
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ table^T: [rows, embedding_dim] -> [rows, num_embeddings] float32."""
+    def project(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ table^T: [rows, embedding_dim] -> `out` [rows, num_embeddings] float32 (new
+        when None)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], self.num_embeddings, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(x.shape[0], self.num_embeddings, dtype=torch.float32)
         self.views()[0].matmul(x, out)
         return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +19,34 @@ import torch
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from slotserve.errors import InvariantViolation
+from slotserve.memory import keep_freed_memory, resident_bytes
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
+from slotserve.models.quantization import weight_memory
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
 from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
 from slotserve.worker.slots import RequestSlots
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """What the runner holds: weights (quantized blocks included) and the KV cache, in bytes."""
+
+    weights_bytes: int
+    quantized_weights_bytes: int
+    kv_cache_bytes: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+           ) -> MemoryUsage:
+        quantized, dense = weight_memory(model)
+        kv = sum(t.numel() * t.element_size() for pair in kv_caches for t in pair)
+        return cls(quantized + dense, quantized, kv)
 
 
 def default_device() -> torch.device:
@@ -81,6 +100,17 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.vocab_size = cfg.vocab_size
         self.last_forward_s = 0.0
+        self.memory = MemoryUsage.of(self.model, self.kv_caches)
+        logger.info("memory: weights %.1f MiB (%.1f MiB of them quantized blocks), KV cache "
+                    "%.1f MiB allocated for %d blocks (pages become resident as blocks are first "
+                    "used), process resident %.1f MiB", self.memory.weights_bytes / 2**20,
+                    self.memory.quantized_weights_bytes / 2**20,
+                    self.memory.kv_cache_bytes / 2**20, self.num_blocks,
+                    resident_bytes() / 2**20)
+        if self.device.type == "cpu":
+            # After the weights and the KV cache: each step's activations are then reused
+            # from the heap instead of being page-faulted in again every step.
+            keep_freed_memory()
 
     @property
     def native_decode(self) -> bool:
