@@ -108,138 +108,201 @@ static inline void scale_min_k4(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) 
 /* ---- dequantizers: `nb` blocks of one row -> float32, each value exactly as gguf's ---------- */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* AVX-512: the bytes of a block are unpacked to 32 small integers in one 256-bit register,
-   widened to two registers of 16 floats and scaled; the same operations as the portable
-   loops below (which other CPUs compile), hence the same values. */
+/* AVX-512: a block's bytes are unpacked to 32 small integers in one 256-bit register,
+   widened to two registers of 16 floats and scaled: the same operations as the portable loops
+   below (which other CPUs compile), hence the same values. Each type's decoder (FOR_<type>)
+   hands every 32 values of a block to EMIT(v, offset): the dequantizers store them, the fused
+   small-m path multiplies them with x right away. */
 #define QMM_AVX512 1
+
+typedef struct { __m512 a, b; } f32x32;
 
 static inline __m256i nibbles_lo_hi(__m128i q) {  /* 16 bytes -> 16 low then 16 high nibbles */
     const __m128i m4 = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
 }
 
-static inline void put_i8(__m256i q, float d0, float d1, float* y) {  /* y = d * int8 q */
+static inline f32x32 i8_scaled(__m256i q, float d0, float d1) {  /* d * int8 q */
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
     __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_set1_ps(d0), a));
-    _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_set1_ps(d1), b));
+    return (f32x32){_mm512_mul_ps(_mm512_set1_ps(d0), a), _mm512_mul_ps(_mm512_set1_ps(d1), b)};
 }
 
-static inline void put_u8_add(__m256i q, float d, float m, float* y) {  /* y = d * q + m */
+static inline f32x32 u8_mul_add(__m256i q, float d, float m) {  /* d * q + m */
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
     __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
     __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(dv, a), mv));
-    _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(dv, b), mv));
+    return (f32x32){_mm512_add_ps(_mm512_mul_ps(dv, a), mv),
+                    _mm512_add_ps(_mm512_mul_ps(dv, b), mv)};
 }
 
-static inline void put_u8_sub(__m256i q, float d, float m, float* y) {  /* y = d * q - m */
+static inline f32x32 u8_mul_sub(__m256i q, float d, float m) {  /* d * q - m */
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)));
     __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)));
     __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-    _mm512_storeu_ps(y, _mm512_sub_ps(_mm512_mul_ps(dv, a), mv));
-    _mm512_storeu_ps(y + 16, _mm512_sub_ps(_mm512_mul_ps(dv, b), mv));
+    return (f32x32){_mm512_sub_ps(_mm512_mul_ps(dv, a), mv),
+                    _mm512_sub_ps(_mm512_mul_ps(dv, b), mv)};
 }
 
-static void deq_q4_0(const uint8_t* b, int64_t nb, float* y) {
-    for (int64_t i = 0; i < nb; i++, b += 18, y += 32) {
-        __m256i q = nibbles_lo_hi(_mm_loadu_si128((const __m128i*)(b + 2)));
-        float d = f16(b);
-        put_i8(_mm256_sub_epi8(q, _mm256_set1_epi8(8)), d, d, y);
-    }
-}
+#define FOR_Q4_0(b, EMIT) do {                                                                \
+    float d_ = f16(b);                                                                        \
+    __m256i q_ = nibbles_lo_hi(_mm_loadu_si128((const __m128i*)((b) + 2)));                   \
+    EMIT(i8_scaled(_mm256_sub_epi8(q_, _mm256_set1_epi8(8)), d_, d_), 0);                     \
+} while (0)
 
-static void deq_q4_1(const uint8_t* b, int64_t nb, float* y) {
-    for (int64_t i = 0; i < nb; i++, b += 20, y += 32)
-        put_u8_add(nibbles_lo_hi(_mm_loadu_si128((const __m128i*)(b + 4))), f16(b), f16(b + 2), y);
-}
+#define FOR_Q4_1(b, EMIT) do {                                                                \
+    EMIT(u8_mul_add(nibbles_lo_hi(_mm_loadu_si128((const __m128i*)((b) + 4))), f16(b),        \
+                    f16((b) + 2)), 0);                                                        \
+} while (0)
 
-static void deq_q5_0(const uint8_t* b, int64_t nb, float* y) {
-    for (int64_t i = 0; i < nb; i++, b += 22, y += 32) {
-        __m256i q = nibbles_lo_hi(_mm_loadu_si128((const __m128i*)(b + 6)));
-        /* q | bit << 4, minus 16: values whose fifth bit is clear lose 16, the others keep q */
-        q = _mm256_mask_sub_epi8(q, (__mmask32)~u32le(b + 2), q, _mm256_set1_epi8(16));
-        float d = f16(b);
-        put_i8(q, d, d, y);
-    }
-}
+/* q | bit << 4, minus 16: values whose fifth bit is clear lose 16, the others keep q */
+#define FOR_Q5_0(b, EMIT) do {                                                                \
+    float d_ = f16(b);                                                                        \
+    __m256i q_ = nibbles_lo_hi(_mm_loadu_si128((const __m128i*)((b) + 6)));                   \
+    q_ = _mm256_mask_sub_epi8(q_, (__mmask32)~u32le((b) + 2), q_, _mm256_set1_epi8(16));      \
+    EMIT(i8_scaled(q_, d_, d_), 0);                                                           \
+} while (0)
 
-static void deq_q5_1(const uint8_t* b, int64_t nb, float* y) {
-    for (int64_t i = 0; i < nb; i++, b += 24, y += 32) {
-        __m256i q = nibbles_lo_hi(_mm_loadu_si128((const __m128i*)(b + 8)));
-        q = _mm256_mask_add_epi8(q, (__mmask32)u32le(b + 4), q, _mm256_set1_epi8(16));
-        put_u8_add(q, f16(b), f16(b + 2), y);
-    }
-}
+#define FOR_Q5_1(b, EMIT) do {                                                                \
+    __m256i q_ = nibbles_lo_hi(_mm_loadu_si128((const __m128i*)((b) + 8)));                   \
+    q_ = _mm256_mask_add_epi8(q_, (__mmask32)u32le((b) + 4), q_, _mm256_set1_epi8(16));       \
+    EMIT(u8_mul_add(q_, f16(b), f16((b) + 2)), 0);                                            \
+} while (0)
 
-static void deq_q8_0(const uint8_t* b, int64_t nb, float* y) {
-    for (int64_t i = 0; i < nb; i++, b += 34, y += 32) {
-        float d = f16(b);
-        put_i8(_mm256_loadu_si256((const __m256i*)(b + 2)), d, d, y);
-    }
-}
+#define FOR_Q8_0(b, EMIT) do {                                                                \
+    float d_ = f16(b);                                                                        \
+    EMIT(i8_scaled(_mm256_loadu_si256((const __m256i*)((b) + 2)), d_, d_), 0);                \
+} while (0)
 
-static void deq_q4_k(const uint8_t* b, int64_t nb, float* y) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    uint8_t sc[8], mn[8];
-    for (int64_t i = 0; i < nb; i++, b += 144, y += 256) {
-        float d = f16(b), dmin = f16(b + 2);
-        scale_min_k4(b + 4, sc, mn);
-        for (int j = 0; j < 4; j++) {
-            __m256i q = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * j));
-            put_u8_sub(_mm256_and_si256(q, m4), d * (float)sc[2 * j], dmin * (float)mn[2 * j],
-                       y + 64 * j);
-            put_u8_sub(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), d * (float)sc[2 * j + 1],
-                       dmin * (float)mn[2 * j + 1], y + 64 * j + 32);
-        }
-    }
-}
+#define FOR_Q4_K(b, EMIT) do {                                                                \
+    const __m256i m4_ = _mm256_set1_epi8(0x0f);                                               \
+    uint8_t sc_[8], mn_[8];                                                                   \
+    float d_ = f16(b), dmin_ = f16((b) + 2);                                                  \
+    scale_min_k4((b) + 4, sc_, mn_);                                                          \
+    for (int c_ = 0; c_ < 4; c_++) {                                                          \
+        __m256i q_ = _mm256_loadu_si256((const __m256i*)((b) + 16 + 32 * c_));                \
+        EMIT(u8_mul_sub(_mm256_and_si256(q_, m4_), d_ * (float)sc_[2 * c_],                   \
+                        dmin_ * (float)mn_[2 * c_]), 64 * c_);                                \
+        EMIT(u8_mul_sub(_mm256_and_si256(_mm256_srli_epi16(q_, 4), m4_),                      \
+                        d_ * (float)sc_[2 * c_ + 1], dmin_ * (float)mn_[2 * c_ + 1]),         \
+             64 * c_ + 32);                                                                   \
+    }                                                                                         \
+} while (0)
 
-static void deq_q5_k(const uint8_t* b, int64_t nb, float* y) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(16);
-    uint8_t sc[8], mn[8];
-    for (int64_t i = 0; i < nb; i++, b += 176, y += 256) {
-        float d = f16(b), dmin = f16(b + 2);
-        scale_min_k4(b + 4, sc, mn);
-        __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16));
-        for (int j = 0; j < 4; j++) {
-            __m256i q = _mm256_loadu_si256((const __m256i*)(b + 48 + 32 * j));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            lo = _mm256_mask_add_epi8(lo, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j)))),
-                                      lo, sixteen);
-            hi = _mm256_mask_add_epi8(hi, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * j)))),
-                                      hi, sixteen);
-            put_u8_sub(lo, d * (float)sc[2 * j], dmin * (float)mn[2 * j], y + 64 * j);
-            put_u8_sub(hi, d * (float)sc[2 * j + 1], dmin * (float)mn[2 * j + 1], y + 64 * j + 32);
-        }
-    }
-}
+#define FOR_Q5_K(b, EMIT) do {                                                                \
+    const __m256i m4_ = _mm256_set1_epi8(0x0f), sixteen_ = _mm256_set1_epi8(16);              \
+    uint8_t sc_[8], mn_[8];                                                                   \
+    float d_ = f16(b), dmin_ = f16((b) + 2);                                                  \
+    scale_min_k4((b) + 4, sc_, mn_);                                                          \
+    __m256i qh_ = _mm256_loadu_si256((const __m256i*)((b) + 16));                             \
+    for (int c_ = 0; c_ < 4; c_++) {                                                          \
+        __m256i q_ = _mm256_loadu_si256((const __m256i*)((b) + 48 + 32 * c_));                \
+        __m256i lo_ = _mm256_and_si256(q_, m4_);                                              \
+        __m256i hi_ = _mm256_and_si256(_mm256_srli_epi16(q_, 4), m4_);                        \
+        lo_ = _mm256_mask_add_epi8(lo_, _mm256_test_epi8_mask(                                \
+            qh_, _mm256_set1_epi8((char)(1 << (2 * c_)))), lo_, sixteen_);                    \
+        hi_ = _mm256_mask_add_epi8(hi_, _mm256_test_epi8_mask(                                \
+            qh_, _mm256_set1_epi8((char)(2 << (2 * c_)))), hi_, sixteen_);                    \
+        EMIT(u8_mul_sub(lo_, d_ * (float)sc_[2 * c_], dmin_ * (float)mn_[2 * c_]), 64 * c_);  \
+        EMIT(u8_mul_sub(hi_, d_ * (float)sc_[2 * c_ + 1], dmin_ * (float)mn_[2 * c_ + 1]),    \
+             64 * c_ + 32);                                                                   \
+    }                                                                                         \
+} while (0)
 
-static void deq_q6_k(const uint8_t* b, int64_t nb, float* y) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
-    const __m256i off = _mm256_set1_epi8(32);
-    for (int64_t i = 0; i < nb; i++, b += 210, y += 256) {
-        const int8_t* scales = (const int8_t*)(b + 192);
-        float d = f16(b + 208);
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
-            __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-            __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                             _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-            __m256i hi[4] = {_mm256_and_si256(qh, m2),
-                             _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-                             _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
-                             _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2)};
-            for (int s = 0; s < 4; s++) {
-                __m256i q = _mm256_or_si256(lo[s], _mm256_slli_epi16(hi[s], 4));
-                put_i8(_mm256_sub_epi8(q, off), d * (float)scales[8 * h + 2 * s],
-                       d * (float)scales[8 * h + 2 * s + 1], y + 128 * h + 32 * s);
-            }
-        }
-    }
+#define FOR_Q6_K(b, EMIT) do {                                                                \
+    const __m256i m4_ = _mm256_set1_epi8(0x0f), m2_ = _mm256_set1_epi8(3);                    \
+    const __m256i off_ = _mm256_set1_epi8(32);                                                \
+    const int8_t* scales_ = (const int8_t*)((b) + 192);                                       \
+    float d_ = f16((b) + 208);                                                                \
+    for (int h_ = 0; h_ < 2; h_++) {                                                          \
+        __m256i l0_ = _mm256_loadu_si256((const __m256i*)((b) + 64 * h_));                    \
+        __m256i l1_ = _mm256_loadu_si256((const __m256i*)((b) + 64 * h_ + 32));               \
+        __m256i qh_ = _mm256_loadu_si256((const __m256i*)((b) + 128 + 32 * h_));              \
+        __m256i lo_[4] = {_mm256_and_si256(l0_, m4_), _mm256_and_si256(l1_, m4_),             \
+                          _mm256_and_si256(_mm256_srli_epi16(l0_, 4), m4_),                   \
+                          _mm256_and_si256(_mm256_srli_epi16(l1_, 4), m4_)};                  \
+        __m256i hi_[4] = {_mm256_and_si256(qh_, m2_),                                         \
+                          _mm256_and_si256(_mm256_srli_epi16(qh_, 2), m2_),                   \
+                          _mm256_and_si256(_mm256_srli_epi16(qh_, 4), m2_),                   \
+                          _mm256_and_si256(_mm256_srli_epi16(qh_, 6), m2_)};                  \
+        for (int s_ = 0; s_ < 4; s_++) {                                                      \
+            __m256i q_ = _mm256_or_si256(lo_[s_], _mm256_slli_epi16(hi_[s_], 4));             \
+            EMIT(i8_scaled(_mm256_sub_epi8(q_, off_), d_ * (float)scales_[8 * h_ + 2 * s_],   \
+                           d_ * (float)scales_[8 * h_ + 2 * s_ + 1]), 128 * h_ + 32 * s_);    \
+        }                                                                                     \
+    }                                                                                         \
+} while (0)
+
+/* The dequantizers: every block's values stored in order. */
+#define STORE_TO_Y(v, off) do {                                                               \
+    _mm512_storeu_ps(y + (off), (v).a);                                                       \
+    _mm512_storeu_ps(y + (off) + 16, (v).b);                                                  \
+} while (0)
+#define DEQ(NAME, FOR, VALUES, BYTES)                                                         \
+static void NAME(const uint8_t* b, int64_t nb, float* y) {                                    \
+    for (int64_t i = 0; i < nb; i++, b += (BYTES), y += (VALUES)) FOR(b, STORE_TO_Y);         \
 }
+DEQ(deq_q4_0, FOR_Q4_0, 32, 18)
+DEQ(deq_q4_1, FOR_Q4_1, 32, 20)
+DEQ(deq_q5_0, FOR_Q5_0, 32, 22)
+DEQ(deq_q5_1, FOR_Q5_1, 32, 24)
+DEQ(deq_q8_0, FOR_Q8_0, 32, 34)
+DEQ(deq_q4_k, FOR_Q4_K, 256, 144)
+DEQ(deq_q5_k, FOR_Q5_K, 256, 176)
+DEQ(deq_q6_k, FOR_Q6_K, 256, 210)
+
+/* Few rows of x (decoding one or two sequences): the scratch round trip costs as much as the
+   multiply-adds, so blocks are decoded in registers and multiplied with x right away, four
+   weight rows at a time (their bytes prefetched as the tiles do). The values multiplied are
+   the dequantizers' own; only the order of the float32 sums differs from the tile path. */
+#define FUSED_MAX_M 2
+#define FMA_INTO_ACC(v, off) do {                                                             \
+    for (int i_ = 0; i_ < m; i_++) {                                                          \
+        const float* xb_ = x + i_ * ldx + kb + (off);                                         \
+        acc[j][i_] = _mm512_fmadd_ps((v).a, _mm512_loadu_ps(xb_), acc[j][i_]);                \
+        acc[j][i_] = _mm512_fmadd_ps((v).b, _mm512_loadu_ps(xb_ + 16), acc[j][i_]);           \
+    }                                                                                         \
+} while (0)
+#define FUSED(NAME, FOR, VALUES, BYTES)                                                       \
+static inline __attribute__((always_inline)) void NAME##_rows(                               \
+        const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx,        \
+        const int m, float* y, int64_t ldy, int64_t r, const int nr) {                       \
+    __m512 acc[4][FUSED_MAX_M];                                                               \
+    for (int j = 0; j < nr; j++)                                                              \
+        for (int i = 0; i < m; i++) acc[j][i] = _mm512_setzero_ps();                          \
+    const uint8_t* row = w + r * row_bytes;                                                   \
+    for (int64_t p = 0; p < nr * row_bytes; p += 64)                                          \
+        __builtin_prefetch(row + p + PREFETCH_BYTES, 0, 0);                                   \
+    for (int64_t bi = 0; bi < nb; bi++) {                                                     \
+        int64_t kb = (VALUES) * bi;                                                           \
+        for (int j = 0; j < nr; j++) {                                                        \
+            const uint8_t* blk = row + j * row_bytes + (BYTES) * bi;                          \
+            FOR(blk, FMA_INTO_ACC);                                                           \
+        }                                                                                     \
+    }                                                                                         \
+    for (int i = 0; i < m; i++) {                                                             \
+        if (nr == 4)                                                                          \
+            hsum4((v16)acc[0][i], (v16)acc[1][i], (v16)acc[2][i], (v16)acc[3][i],             \
+                  y + i * ldy + r);                                                           \
+        else                                                                                  \
+            for (int j = 0; j < nr; j++) y[i * ldy + r + j] = hsum((v16)acc[j][i]);         \
+    }                                                                                         \
+}                                                                                             \
+static void NAME##_fused(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,      \
+                         int64_t ldx, int64_t m, float* y, int64_t ldy, int64_t n0,           \
+                         int64_t n1) {                                                        \
+    int64_t nb = k / (VALUES), r = n0;                                                        \
+    for (; r + 4 <= n1; r += 4) {                                                             \
+        if (m == 1) NAME##_rows(w, row_bytes, nb, x, ldx, 1, y, ldy, r, 4);                   \
+        else NAME##_rows(w, row_bytes, nb, x, ldx, 2, y, ldy, r, 4);                          \
+    }                                                                                         \
+    for (; r < n1; r++) {                                                                     \
+        if (m == 1) NAME##_rows(w, row_bytes, nb, x, ldx, 1, y, ldy, r, 1);                   \
+        else NAME##_rows(w, row_bytes, nb, x, ldx, 2, y, ldy, r, 1);                          \
+    }                                                                                         \
+}
+#define FUSED_ARGS const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, float*, \
+                   int64_t, int64_t, int64_t
 
 #else  /* portable loops */
 
@@ -489,6 +552,36 @@ static const tile_fn TILES[MR][NR] = {
     {tile_3_1, tile_3_2, tile_3_3, tile_3_4}, {tile_4_1, tile_4_2, tile_4_3, tile_4_4},
 };
 
+#ifdef QMM_AVX512
+FUSED(q4_0, FOR_Q4_0, 32, 18)
+FUSED(q4_1, FOR_Q4_1, 32, 20)
+FUSED(q5_0, FOR_Q5_0, 32, 22)
+FUSED(q5_1, FOR_Q5_1, 32, 24)
+FUSED(q8_0, FOR_Q8_0, 32, 34)
+FUSED(q4_k, FOR_Q4_K, 256, 144)
+FUSED(q5_k, FOR_Q5_K, 256, 176)
+FUSED(q6_k, FOR_Q6_K, 256, 210)
+typedef void (*fused_fn)(FUSED_ARGS);
+static fused_fn fused_kernel(int32_t type) {
+    switch (type) {
+        case 2: return q4_0_fused;
+        case 3: return q4_1_fused;
+        case 6: return q5_0_fused;
+        case 7: return q5_1_fused;
+        case 8: return q8_0_fused;
+        case 12: return q4_k_fused;
+        case 13: return q5_k_fused;
+        case 14: return q6_k_fused;
+        default: return 0;
+    }
+}
+#else  /* the portable build always goes through the scratch */
+#define FUSED_MAX_M 0
+typedef void (*fused_fn)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t,
+                         float*, int64_t, int64_t, int64_t);
+static fused_fn fused_kernel(int32_t type) { (void)type; return 0; }
+#endif
+
 /* x [m, k] (rows ldx floats apart), W [n, k] as n rows of `row_bytes` bytes of blocks,
    y [m, n] (rows ldy floats apart): y[:, n0:n1] = x @ W[n0:n1]^T. */
 int slotserve_qmatmul_f32(int32_t type, const uint8_t* w, int64_t n, int64_t k,
@@ -500,6 +593,11 @@ int slotserve_qmatmul_f32(int32_t type, const uint8_t* w, int64_t n, int64_t k,
         || (m > 1 && (ldx < k || ldy < n1)))
         return QMM_BAD_SHAPE;
     if (scratch_len < TILE_ROWS * k) return QMM_SMALL_SCRATCH;
+    fused_fn fused = fused_kernel(type);
+    if (fused && m >= 1 && m <= FUSED_MAX_M) {
+        fused(w, row_bytes, k, x, ldx, m, y, ldy, n0, n1);
+        return QMM_OK;
+    }
     int64_t mb = X_BLOCK_BYTES / (4 * k) / MR * MR;
     mb = mb < 4 * MR ? 4 * MR : mb;
     for (int64_t m0 = 0; m0 < m; m0 += mb) {
