@@ -20,6 +20,7 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -139,8 +140,10 @@ class FakeModelRunner:
         self.fail_on_step = fail_on_step
         self.last_forward_s = 0.0
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         self.num_steps += 1
+        allowed = allowed_tokens(grammar_output, self.vocab_size)
         if self.fail_on_step is not None and self.num_steps == self.fail_on_step:
             raise RuntimeError("injected forward failure")
         for rid in out.released_req_ids:
@@ -167,6 +170,11 @@ class FakeModelRunner:
                 logprobs.append(None)
                 continue
             t = fake_next_token(tokens, self.vocab_size, self.eos[rid])
+            if rid in allowed:
+                # Under a grammar: the fake token if allowed, else one the hash picks.
+                ok = allowed.pop(rid)
+                if t not in ok:
+                    t = ok[fake_next_token(tokens, 1 << 30, None) % len(ok)]
             tokens.append(t)
             sampled.append([t])
             k = self.logprobs[rid]
@@ -174,7 +182,23 @@ class FakeModelRunner:
             for j in range(k or 0):
                 entry.setdefault((t + j + 1) % self.vocab_size, -1.0 - j)
             logprobs.append(None if k is None else [entry])
+        assert not allowed, f"grammar rows for requests that do not sample: {list(allowed)}"
         return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, logprobs)
+
+
+def allowed_tokens(grammar_output: GrammarOutput | None, vocab_size: int
+                   ) -> dict[str, list[int]]:
+    """Per request under a grammar, the token ids its bitmask row allows."""
+    if grammar_output is None:
+        return {}
+    import numpy as np
+
+    bitmask = grammar_output.ready_bitmask()
+    out = {}
+    for row, rid in enumerate(grammar_output.structured_output_request_ids):
+        bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")[:vocab_size]
+        out[rid] = np.nonzero(bits)[0].tolist()
+    return out
 
 
 # ----- a hand-driven scheduler for worker tests ----------------------------------------------

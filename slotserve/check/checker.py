@@ -11,6 +11,8 @@ InvariantViolation naming the request and the rule the moment they disagree:
   each request's tokens and max_model_len; each scheduled token has a KV slot;
 - the worker's block table for each request equals the KV manager's;
 - free + used blocks == usable blocks; the scheduler's ledger mirrors the worker model;
+- each request's grammar has consumed exactly the output tokens the request kept (a
+  session's: its earlier chunks' kept outputs, then the current chunk's);
 - once everything has finished, no block is in use and no slot is held.
 """
 
@@ -128,6 +130,21 @@ class InvariantChecker:
                 _fail("running holds slot", f"running request {r.request_id!r} has no slot")
         if self.num_steps % self.full_block_scan_every == 0:
             self.check_blocks()
+        self.check_grammars()
+
+    def check_grammars(self) -> None:
+        """Every matcher advanced with exactly the tokens its request kept: none missed,
+        none fed twice (a recompute after preemption), none left over (a session's fold)."""
+        for rid, r in self.scheduler.requests.items():
+            sor = r.structured_output_request
+            if sor is None:
+                continue
+            consumed = sor.grammar.consumed_token_ids
+            expected = sor.expected_token_ids(r.output_token_ids)
+            if consumed != expected:
+                _fail("grammar", f"request {rid!r}: its grammar consumed {len(consumed)} "
+                      f"tokens {consumed[-8:]}..., but the request kept {len(expected)} "
+                      f"{expected[-8:]}...")
 
     def check_blocks(self) -> None:
         pool = self.scheduler.kv_cache_manager.block_pool

@@ -50,6 +50,10 @@ class EngineArgs:
     seed: int | None = None
     # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
     native_attention: bool = True
+    # Structured outputs: a request whose grammar is not compiled within this many seconds
+    # is refused; bitmask rows are filled on a helper thread while the forward pass runs.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_bitmask_overlap: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

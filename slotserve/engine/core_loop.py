@@ -21,6 +21,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -66,17 +67,33 @@ class EngineCoreLoop:
         self.send = send
         self.inputs: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
         self.state = LoopState.RUNNING
+        if core.structured_output_manager is not None:
+            # A finished compile wakes a loop that waits with nothing else to do.
+            core.structured_output_manager.on_compiled = lambda: self.inputs.put(
+                (EngineCoreRequestType.WAKE, None))
 
     def run(self) -> None:
         core = self.core
         while self.state is LoopState.RUNNING:
             ticking = core.has_idle_sessions()
-            item = _next(self.inputs, not core.has_requests(), SESSION_TICK_S if ticking else None)
+            grammars = core.has_waiting_grammars()
+            item = _next(self.inputs, not core.has_requests(), self._wait_timeout(ticking))
             while item is not None and self.state is LoopState.RUNNING:
                 self._apply(*item)
                 item = _next(self.inputs)
-            if self.state is LoopState.RUNNING and (core.has_requests() or ticking):
+            if self.state is LoopState.RUNNING and (core.has_requests() or ticking or grammars
+                                                    or core.has_waiting_grammars()):
                 self._step()
+
+    def _wait_timeout(self, ticking: bool) -> float | None:
+        """How long an idle loop may block: until the next session tick, or the next
+        grammar deadline (a request whose grammar is overdue is refused in step())."""
+        timeout = SESSION_TICK_S if ticking else None
+        deadline = self.core.next_grammar_deadline()
+        if deadline is not None:
+            left = max(0.0, deadline - time.monotonic()) + 0.001
+            timeout = left if timeout is None else min(timeout, left)
+        return timeout
         error = EngineDeadError("the engine core has stopped")
         while (item := _next(self.inputs)) is not None:
             if item[0] is EngineCoreRequestType.UTILITY:
@@ -93,6 +110,8 @@ class EngineCoreLoop:
                     payload.request_id, [], "error", finished=True, finish_message=str(exc))]))
         elif kind is EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
+        elif kind is EngineCoreRequestType.WAKE:
+            pass  # run() steps next, and step() admits what compiled
         elif kind is EngineCoreRequestType.UTILITY:
             call: UtilityCall = payload
             try:

@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from slotserve.config import CacheConfig, SchedulerConfig
-from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from slotserve.core.outputs import (
+    GrammarOutput,
+    LogprobsEntry,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from slotserve.errors import InvariantViolation
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.config import ModelConfig
@@ -102,7 +107,10 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """One step. `grammar_output` holds the token bitmask of the requests under a grammar
+        that sample in this step; it is applied to their logits before sampling."""
         so = scheduler_output
         self._apply_state(so)
         self.last_forward_s = 0.0
@@ -145,6 +153,10 @@ class ModelRunner:
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        if grammar_output is not None:
+            # Waits for the bitmask here, after the forward pass it was filled beside.
+            self._grammar_metadata(sampling_meta, grammar_output,
+                                   [req_ids[r] for r in sample_rows.tolist()])
         sampled_out = self.sampler(logits, sampling_meta)
         sampled = sampled_out.sampled.cpu().numpy()
         self.last_forward_s = time.perf_counter() - start
@@ -223,6 +235,18 @@ class ModelRunner:
             meta.max_num_logprobs = int(nlp.max())
         return meta
 
+    def _grammar_metadata(self, meta: SamplingMetadata, grammar_output: GrammarOutput,
+                          sample_ids: list[str]) -> None:
+        row_of = {rid: row for row, rid in enumerate(sample_ids)}
+        try:
+            rows = [row_of[rid] for rid in grammar_output.structured_output_request_ids]
+        except KeyError as exc:
+            raise InvariantViolation(f"request {exc.args[0]!r} has a grammar bitmask but does "
+                                     "not sample in this step") from exc
+        bitmask = grammar_output.ready_bitmask()
+        meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        meta.grammar_bitmask = torch.from_numpy(bitmask).to(self.device)
+
     def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
                      sample_slots: np.ndarray, out: SamplerOutput) -> ModelRunnerOutput:
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
@@ -244,7 +268,8 @@ class ModelRunner:
                 entry: LogprobsEntry = {int(sampled[i]): float(lp[i])}
                 if n and top_ids is not None and top_lp is not None:
                     for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
-                        entry.setdefault(tok, float(val))
+                        if val != float("-inf"):  # a token a grammar disallowed
+                            entry.setdefault(tok, float(val))
                 logprobs[row] = [entry]
         return ModelRunnerOutput(
             req_ids=req_ids,

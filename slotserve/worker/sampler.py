@@ -1,6 +1,8 @@
 """Token sampling for one step, vectorised across the batch.
 
-Order of operations (per row): raw log-softmax for logprobs; min_tokens masking; repetition
+Order of operations (per row): the grammar's token bitmask (structured outputs: disallowed
+tokens get -inf, so every mode below, logprobs included, sees only allowed tokens); raw
+log-softmax for logprobs; min_tokens masking; repetition
 penalty (HF semantics, over prompt + output), frequency and presence penalties (over output);
 greedy rows take the argmax here; the others go through temperature, min-p, top-k, top-p and an
 exponential-race draw (argmax of probs / Exp(1) noise, which samples from probs exactly).
@@ -50,6 +52,10 @@ class SamplingMetadata:
     masked_tokens: torch.Tensor | None = None
     # The largest logprobs count asked for by any row (None: no row wants logprobs).
     max_num_logprobs: int | None = None
+    # Structured outputs: the rows under a grammar [M] int64, and their token bitmasks
+    # [M, ceil(V'/32)] int32 (bit t of a row allows token t; V' >= vocab).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +89,17 @@ def apply_frequency_presence(logits: torch.Tensor, ids: torch.Tensor, frequency:
     counts = token_presence(ids, logits.shape[1]).to(logits.dtype)
     return (logits - frequency.unsqueeze(1) * counts
             - presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor,
+                          bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens of the given rows get -inf (a new tensor; the input is kept)."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+    allowed = allowed[:, :vocab].to(logits.device)
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -120,6 +137,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if meta.grammar_rows is not None and meta.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits, meta.grammar_rows, meta.grammar_bitmask)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)

@@ -115,13 +115,15 @@ async def parse_body(raw: Request, model: type[M], limit: int) -> M:
 def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
               api_key: str | None = None, metrics: ServerMetrics | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, tool_call_parser: str | None = None) -> FastAPI:
+    """`tool_call_parser` names the tool-call format (hermes, llama3_json) when the chat
+    template does not show one."""
     names = list(served_model_names)
     if metrics is None:
         metrics = engine.metrics if engine.metrics is not None else ServerMetrics(names[0])
         engine.metrics = metrics
     completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    chat = OpenAIServingChat(engine, names, tool_call_parser)
     sessions = OpenAIServingSessions(engine, names)
 
     @asynccontextmanager

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
-from slotserve.entrypoints.openai.errors import bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -26,6 +26,8 @@ from slotserve.entrypoints.openai.serving_engine import (
     merge_generators,
     sse,
 )
+from slotserve.entrypoints.openai.structured import rename_param, response_constraint
+from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
 
@@ -53,9 +55,15 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = normalize_prompts(req.prompt)
         params = req.to_sampling_params(req.max_tokens)
+        constraint = response_constraint(req.response_format, req.structured_outputs)
         request_id = f"cmpl-{random_uuid()}"
-        processed = [self.prepare(p, params, f"{request_id}-{i}", req.priority)
-                     for i, p in enumerate(prompts)]
+        try:
+            if constraint is not None:
+                params = params.clone(structured_outputs=constraint)
+            processed = [await self.prepare_async(p, params, f"{request_id}-{i}", req.priority)
+                         for i, p in enumerate(prompts)]
+        except (RequestValidationError, APIError) as exc:
+            raise rename_param(exc, req.response_format) from exc
         outputs = merge_generators([self.engine.generate(p) for p in processed])
         return await self.respond(raw, req, processed, request_id, model, outputs)
 

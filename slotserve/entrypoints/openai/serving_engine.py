@@ -89,6 +89,17 @@ class OpenAIServing:
                 "context_length_exceeded")
         return processed
 
+    async def prepare_async(self, prompt: str | list[int] | dict[str, Any],
+                            params: SamplingParams, request_id: str,
+                            priority: int) -> ProcessedRequest:
+        """prepare(), with a constraint's grammar checked on a worker thread first (a large
+        schema takes a while; the check is cached, so prepare() finds it done)."""
+        if params.structured_outputs is not None:
+            from slotserve.structured_output import checked_grammar
+
+            await asyncio.to_thread(checked_grammar, params.structured_outputs)
+        return self.prepare(prompt, params, request_id, priority)
+
     # ----- logprobs ---------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:
