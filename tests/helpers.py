@@ -441,3 +441,38 @@ def build_tokenizer(path: Path, vocab_size: int = 320) -> None:
                                    pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+def build_bigram_model(folder: Path, tokenizer: Any, chains: list[list[int]],
+                       seed: int = 0) -> None:
+    """A Llama checkpoint that is a bigram model: attention and MLP write nothing, so the
+    next token depends on the last one only, and each chain [t0, t1, ...] makes t_i+1 the
+    likeliest token after t_i (elsewhere the logits are small noise). Saved with `tokenizer`
+    (and its chat template). It lets a test script what a real model writes where a grammar
+    leaves a choice: text, a tool-call tag, EOS."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = len(tokenizer)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, bos_token_id=TOKENIZER_BOS,
+                         eos_token_id=TOKENIZER_EOS, pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = torch.randn(vocab, 64, generator=gen)
+        hf.model.embed_tokens.weight.copy_(emb)
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        unit = emb / emb.norm(dim=1, keepdim=True)
+        head = torch.randn(vocab, 64, generator=gen) * 0.05
+        for chain in chains:
+            for a, b in zip(chain, chain[1:], strict=False):
+                head[b] += 4.0 * unit[a]
+        hf.lm_head.weight.copy_(head)
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -78,16 +78,20 @@ def tool_context(tools: list[ChatCompletionToolsParam] | None, tool_choice: Tool
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return ToolContext(template_tools, None, None)
-    if fmt is None:
-        raise bad_request("this model's chat template has no tool-call format that slotserve "
-                          "knows; start the server with --tool-call-parser hermes or "
-                          "llama3_json", "tools")
+    named = None
     if isinstance(choice, ChatCompletionNamedToolChoiceParam):
         named = [t for t in checked if t.name == choice.function.name]
         if not named:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not "
                               "among the tools", "tool_choice")
+    if fmt is None:
+        raise bad_request("this model's chat template has no tool-call format that slotserve "
+                          "knows; start the server with --tool-call-parser hermes or "
+                          "llama3_json", "tools")
+    if named is not None:
         grammar = fmt.grammar(named, "named", False)
     else:
-        grammar = fmt.grammar(checked, choice, parallel_tool_calls)
+        assert choice in ("auto", "required")
+        grammar = fmt.grammar(checked, "auto" if choice == "auto" else "required",
+                              parallel_tool_calls)
     return ToolContext(template_tools, fmt, StructuredOutputsParams(grammar=grammar))

@@ -107,7 +107,7 @@ class ToolCallParser:
         self.pending = ""
         self.content = ""
         self.calls: list[ParsedCall] = []
-        self._call_text = ""  # text of the call being parsed (for `tail`)
+        self._call_text = ""  # text of the call being parsed, marker included (`tail`)
         self._depth = 0
         self._in_string = False
         self._escape = False
@@ -118,9 +118,9 @@ class ToolCallParser:
 
     @property
     def tail(self) -> str:
-        if not self.calls or self.calls[-1].complete:
-            return ""
-        return self._call_text + (self.pending if self.state == "close" else "")
+        """What the reply wrote after its last complete call: a call cut short (or only its
+        marker), when max_tokens ended the reply there."""
+        return "" if self.state in ("start", "text") else self._call_text + self.pending
 
     def feed(self, text: str) -> ToolCallDelta:
         delta = ToolCallDelta()
@@ -157,6 +157,7 @@ class ToolCallParser:
         if at >= 0:
             self._emit_content(delta, self.pending[:at])
             self.pending = self.pending[at + len(marker):]
+            self._call_text = marker
             self.state = "open"
             return
         keep = _partial_suffix(self.pending, marker)
@@ -170,7 +171,7 @@ class ToolCallParser:
         call = ParsedCall(m.group(1))
         self.calls.append(call)
         delta.started[len(self.calls) - 1] = call.name
-        self._call_text = self.fmt.call_prefix + m.group(0)
+        self._call_text += m.group(0)
         self.pending = self.pending[m.end():]
         self._depth, self._in_string, self._escape = 0, False, False
         self.state = "args"
@@ -220,6 +221,7 @@ class ToolCallParser:
             return
         assert self.pending.startswith(sep), self.pending
         self.pending = self.pending[len(sep):]
+        self._call_text = sep
         self.state = "open"
 
 
@@ -242,8 +244,6 @@ class ToolCallFormat(ABC):
     # What follows a call's JSON, and what separates two calls.
     call_close: ClassVar[str]
     call_separator: ClassVar[str]
-    # Text of a call before its JSON (for a cut-short call's tail).
-    call_prefix: ClassVar[str]
 
     @property
     def call_head(self) -> re.Pattern[str]:
@@ -275,7 +275,6 @@ class HermesFormat(ToolCallFormat):
     marker = "<tool_call>\n"
     call_close = "}\n</tool_call>"
     call_separator = "\n<tool_call>\n"
-    call_prefix = "<tool_call>\n"
 
     def __init__(self, tag_tokens: bool = False) -> None:
         """`tag_tokens`: the tokenizer has <tool_call> and </tool_call> as tokens of their own
@@ -312,7 +311,6 @@ class Llama3JsonFormat(ToolCallFormat):
     marker = None
     call_close = "}"
     call_separator = "; "
-    call_prefix = ""
 
     def starts_with_call(self, text: str) -> bool:
         return text.startswith("{")
