@@ -29,7 +29,13 @@ from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
-from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
+from slotserve.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    grammar_bias,
+    mix_seed,
+)
 from slotserve.worker.slots import RequestSlots
 
 logger = logging.getLogger(__name__)
@@ -244,8 +250,9 @@ class ModelRunner:
             raise InvariantViolation(f"request {exc.args[0]!r} has a grammar bitmask but does "
                                      "not sample in this step") from exc
         bitmask = grammar_output.ready_bitmask()
-        meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        meta.grammar_bitmask = torch.from_numpy(bitmask).to(self.device)
+        if rows != list(range(len(sample_ids))):
+            meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        meta.grammar_bias = grammar_bias(bitmask, self.vocab_size, self.device)
 
     def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
                      sample_slots: np.ndarray, out: SamplerOutput) -> ModelRunnerOutput:

@@ -5,6 +5,7 @@ sampling mode; and the bitmask holds in the sampler for each mode."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -108,7 +109,7 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
     import numpy as np
     import torch
 
-    from slotserve.worker.sampler import Sampler, SamplingMetadata
+    from slotserve.worker.sampler import Sampler, SamplingMetadata, grammar_bias
 
     vocab, rows = 300, 8
     gen = torch.Generator().manual_seed(0)
@@ -117,7 +118,11 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
     allowed[:, 7] = True
     bits = np.zeros((rows, (vocab + 31) // 32 * 32), dtype=np.uint8)
     bits[:, :vocab] = allowed.numpy()
-    bitmask = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32))
+    bias = grammar_bias(np.packbits(bits, axis=1, bitorder="little").view(np.int32), vocab,
+                        torch.device("cpu"))
+    assert torch.equal(bias == 0, allowed)
+    # Every row under the grammar in order, or the same rows listed backwards.
+    layouts = [(None, bias), (torch.arange(rows - 1, -1, -1), bias.flip(0))]
     ids = torch.randint(0, vocab, (rows, 12), generator=gen)
     sampler = Sampler("cpu", seed=0)
     variants: list[dict[str, Any]] = [
@@ -127,15 +132,14 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
         {"frequency_penalty": torch.full((rows,), -2.0), "presence_penalty": torch.full(
             (rows,), -2.0), "output_ids": ids},
         {"max_num_logprobs": 5}]
-    for greedy in (True, False):
-        for extra in variants:
-            temp = torch.zeros(rows) if greedy else torch.full((rows,), 1.5)
-            meta = SamplingMetadata(temperature=temp, all_greedy=greedy,
-                                    grammar_rows=torch.arange(rows), grammar_bitmask=bitmask,
-                                    **extra)
-            for _ in range(5):
-                out = sampler(logits, meta)
-                assert allowed[torch.arange(rows), out.sampled].all(), (greedy, extra)
-                if out.topk_ids is not None and out.topk_logprobs is not None:
-                    finite = out.topk_logprobs > float("-inf")
-                    assert allowed.gather(1, out.topk_ids)[finite].all()
+    for greedy, extra, (grammar_rows, row_bias) in itertools.product(
+            (True, False), variants, layouts):
+        temp = torch.zeros(rows) if greedy else torch.full((rows,), 1.5)
+        meta = SamplingMetadata(temperature=temp, all_greedy=greedy, grammar_rows=grammar_rows,
+                                grammar_bias=row_bias, **extra)
+        for _ in range(5):
+            out = sampler(logits, meta)
+            assert allowed[torch.arange(rows), out.sampled].all(), (greedy, extra)
+            if out.topk_ids is not None and out.topk_logprobs is not None:
+                finite = out.topk_logprobs > float("-inf")
+                assert allowed.gather(1, out.topk_ids)[finite].all()
