@@ -291,12 +291,24 @@ class EngineCore:
         now = time.monotonic()
         if self.trace is not None:
             self.trace.update(scheduler_output, model_output, now)
+            grammars = self._scheduled_grammars(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+        if self.trace is not None and grammars:
+            self.trace.grammar_outcomes(
+                [rid for rid, sor in grammars.items() if sor.grammar.is_terminated()],
+                {rid: sor.grammar.error for rid, sor in grammars.items()
+                 if sor.grammar.error is not None})
         # Drained means nothing at all: idle sessions still hold KV and a slot.
         if (self.checker is not None and not self.scheduler.requests
                 and not self.scheduler.has_requests()):
             self.checker.assert_drained()
         return EngineCoreOutputs(outputs, schedule_time, now, scheduled_new)
+
+    def _scheduled_grammars(self, so: SchedulerOutput) -> dict[str, StructuredOutputRequest]:
+        requests = self.scheduler.requests
+        return {rid: sor for rid in so.num_scheduled_tokens
+                if (r := requests.get(rid)) is not None
+                and (sor := r.structured_output_request) is not None}
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
                    exc: Exception) -> list[EngineCoreOutput]:

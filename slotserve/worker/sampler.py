@@ -103,14 +103,20 @@ def grammar_bias(bitmask: npt.NDArray[np.int32], vocab_size: int,
     """Packed bitmask rows [M, ceil(V'/32)] int32 -> additive rows [M, vocab_size]: 0 where
     a token is allowed, -inf where not. On the CPU a byte lookup (a masked_fill over a bool
     mask costs ten times more); on an accelerator bit operations there."""
-    rows = bitmask.shape[0]
     if device.type == "cpu":
         bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8).reshape(-1), axis=0)
-        return torch.from_numpy(bias.reshape(rows, -1))[:, :vocab_size]
-    packed = torch.from_numpy(bitmask).to(device, non_blocking=True)
-    bits = (packed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)) & 1
-    allowed = bits.bool().reshape(rows, -1)[:, :vocab_size]
-    return torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+        return torch.from_numpy(bias.reshape(bitmask.shape[0], -1))[:, :vocab_size]
+    return unpack_grammar_bias(torch.from_numpy(bitmask).to(device, non_blocking=True),
+                               vocab_size)
+
+
+def unpack_grammar_bias(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """grammar_bias() by tensor operations, on the packed rows' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(packed.shape[0], -1)
+    allowed = allowed[:, :vocab_size]
+    return torch.zeros(allowed.shape, device=packed.device).masked_fill_(~allowed,
+                                                                        float("-inf"))
 
 
 def apply_grammar_bias(logits: torch.Tensor, rows: torch.Tensor | None,

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import re
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from slotserve.check.trace import replay
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.entrypoints.llm import LLM
 from slotserve.errors import InvariantViolation, RequestValidationError
@@ -256,3 +258,36 @@ def test_checker_catches_a_grammar_out_of_step(fake_engine: FakeEngineFactory) -
     grammar.rollback(1)  # as a fold that forgot the dropped token, or a lost update, would
     with pytest.raises(InvariantViolation, match=r"\[grammar\]"):
         engine.step()
+
+
+def test_a_trace_replays_grammar_stops_and_folds(fake_engine: FakeEngineFactory,
+                                                tmp_path: Path) -> None:
+    """The replay has no grammar library: the trace tells it where each grammar completed,
+    and the replayed scheduler makes the same outputs, checker on."""
+    path = tmp_path / "trace.jsonl"
+    engine = fake_engine(trace_path=str(path), num_blocks=14, block_size=8)
+    for i, p in enumerate(prompts_for(5, seed=4)):
+        engine.add_request(str(i), p, json_params(40))
+    engine.add_request("s", prompts_for(1)[0], SamplingParams(
+        max_tokens=3, structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),
+        resumable=True)
+    stops = 0
+    while engine.has_unfinished_requests():
+        stops += sum(o.outputs[0].finish_reason == "stop" for o in engine.step())
+    engine.add_request("s", {"prompt_token_ids": [7]}, SamplingParams(max_tokens=3),
+                       resumable=True)
+    engine.add_request("s", {"prompt_token_ids": []}, None)
+    while engine.has_unfinished_requests():
+        stops += sum(o.outputs[0].finish_reason == "stop" for o in engine.step())
+    assert stops >= 4 and engine.get_stats().num_preemptions > 0
+    recorded = [json.loads(line) for line in path.read_text().splitlines()]
+    assert any(e["event"] == "grammar" and e["completed"] for e in recorded)
+    replayed, outs = replay(str(path))
+    assert not replayed.requests
+    finished = set().union(*(o.finished_req_ids for o in outs))
+    assert finished == {"0", "1", "2", "3", "4", "s"}
+    # Without the recorded outcomes the replay could not know where grammars completed:
+    # requests that stopped there would run on.
+    blind = tmp_path / "blind.jsonl"
+    blind.write_text("".join(json.dumps(e) + "\n" for e in recorded if e["event"] != "grammar"))
+    assert replay(str(blind))[0].requests

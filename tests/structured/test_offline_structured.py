@@ -109,7 +109,12 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
     import numpy as np
     import torch
 
-    from slotserve.worker.sampler import Sampler, SamplingMetadata, grammar_bias
+    from slotserve.worker.sampler import (
+        Sampler,
+        SamplingMetadata,
+        grammar_bias,
+        unpack_grammar_bias,
+    )
 
     vocab, rows = 300, 8
     gen = torch.Generator().manual_seed(0)
@@ -121,6 +126,9 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
     bias = grammar_bias(np.packbits(bits, axis=1, bitorder="little").view(np.int32), vocab,
                         torch.device("cpu"))
     assert torch.equal(bias == 0, allowed)
+    # The accelerators' way (tensor operations) gives the same rows.
+    packed = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32))
+    assert torch.equal(unpack_grammar_bias(packed, vocab), bias)
     # Every row under the grammar in order, or the same rows listed backwards.
     layouts = [(None, bias), (torch.arange(rows - 1, -1, -1), bias.flip(0))]
     ids = torch.randint(0, vocab, (rows, 12), generator=gen)
