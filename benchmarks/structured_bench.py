@@ -17,7 +17,7 @@ counters the bitmask fill time per constrained token and the part of it the step
 waited for.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/structured_bench.py [--rounds 3]
-        [--model PATH] [--json out.json]
+        [--model PATH | GGUF] [--num-requests 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from offline_throughput import Workload, make_workload  # noqa: E402
 
 from slotserve.engine.args import DEFAULT_MODEL  # noqa: E402
+from slotserve.engine.loading import load_model_config  # noqa: E402
 from slotserve.entrypoints.llm import LLM  # noqa: E402
-from slotserve.models.config import ModelConfig  # noqa: E402
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 SCHEMA: dict[str, Any] = {
@@ -92,7 +92,8 @@ class Engine:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="a Hugging Face folder or a GGUF file (default: the bundled model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    vocab = load_model_config(args.model).vocab_size
     work = make_workload(args.num_requests, vocab, (32, 256), (32, 256), args.seed)
     print(f"{args.model}: {len(work.prompts)} requests, {sum(work.output_lens)} output tokens, "
           f"max_num_seqs {args.max_num_seqs}, {args.threads} torch thread(s), "
