@@ -60,8 +60,8 @@ class GrammarWait:
     """A request whose grammar is compiling: it holds no slot and no KV block. Later core
     requests with its id (a session's chunks, its end) queue behind it, in order."""
 
+    grammar: str
     future: concurrent.futures.Future[CompiledGrammar]
-    deadline: float
     queue: deque[EngineCoreRequest] = field(default_factory=deque)
 
 
@@ -134,7 +134,7 @@ class EngineCore:
                 self._admit(request, future)
                 return
             self.waiting_for_grammar[request.request_id] = GrammarWait(
-                future, time.monotonic() + manager.compile_timeout_s, deque([request]))
+                request.grammar, future, deque([request]))
             return
         self._add(request)
 
@@ -170,7 +170,10 @@ class EngineCore:
 
     def _admit_compiled(self, now: float) -> None:
         """Move the requests whose grammar is ready into the scheduler (with what queued
-        behind them); refuse those whose grammar failed or is overdue."""
+        behind them); refuse those whose grammar failed, or whose compile ran over the
+        limit (the compile goes on, and its text fails at once from then on)."""
+        manager = self.structured_output_manager
+        assert manager is not None
         for rid, wait in list(self.waiting_for_grammar.items()):
             if wait.future.done():
                 del self.waiting_for_grammar[rid]
@@ -178,28 +181,35 @@ class EngineCore:
                 if self._admit(head, wait.future):
                     for later in wait.queue:
                         self.add_request(later)
-            elif now > wait.deadline:
+                continue
+            deadline = manager.compile_deadline(wait.grammar)
+            if deadline is not None and now > deadline:
                 del self.waiting_for_grammar[rid]
-                assert self.structured_output_manager is not None
                 self._reject(rid, "the grammar was not compiled within the limit of "
-                             f"{self.structured_output_manager.compile_timeout_s:g} s")
+                             f"{manager.compile_timeout_s:g} s")
 
     def has_waiting_grammars(self) -> bool:
         return bool(self.waiting_for_grammar)
 
     def next_grammar_deadline(self) -> float | None:
-        return min((w.deadline for w in self.waiting_for_grammar.values()), default=None)
+        """The earliest deadline of a compile that has started (the manager wakes the loop
+        when one starts or ends)."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return None
+        deadlines = [d for w in self.waiting_for_grammar.values()
+                     if (d := manager.compile_deadline(w.grammar)) is not None]
+        return min(deadlines, default=None)
 
-    def wait_for_grammar(self, timeout: float | None = None) -> None:
-        """Block until some waiting request's grammar is ready or overdue (a core stepped
-        by its caller, with nothing else to do)."""
+    def wait_for_grammar(self, poll_s: float = 0.05) -> None:
+        """Block until some waiting request's grammar is ready, or a deadline passes, or
+        poll_s (a core stepped by its caller, with nothing else to do)."""
         if not self.waiting_for_grammar:
             return
         deadline = self.next_grammar_deadline()
-        assert deadline is not None
-        left = max(0.0, deadline - time.monotonic())
+        timeout = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
         concurrent.futures.wait([w.future for w in self.waiting_for_grammar.values()],
-                                timeout=left if timeout is None else min(left, timeout),
+                                timeout=max(0.0, timeout),
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -332,14 +342,16 @@ class EngineCore:
 
 def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelConfig,
                                max_num_seqs: int) -> StructuredOutputManager:
-    """Structured outputs for this model: the tokenizer loads on the first grammar."""
+    """Structured outputs for this model: the grammar library's tokenizer builds on the
+    compile thread from the start, off the step loop."""
     from slotserve.structured_output import GuidanceBackend, StructuredOutputManager
 
     def tokenizer_and_eos() -> tuple[object, list[int]]:
         tokenizer = load_tokenizer(args.tokenizer or path)
         return tokenizer, eos_token_ids(model_config, tokenizer)
 
-    return StructuredOutputManager(GuidanceBackend(tokenizer_and_eos, model_config.vocab_size),
-                                   max_num_seqs,
-                                   compile_timeout_s=args.grammar_compile_timeout_s,
-                                   overlap=args.grammar_bitmask_overlap)
+    manager = StructuredOutputManager(
+        GuidanceBackend(tokenizer_and_eos, model_config.vocab_size), max_num_seqs,
+        compile_timeout_s=args.grammar_compile_timeout_s, overlap=args.grammar_bitmask_overlap)
+    manager.warm_up()
+    return manager

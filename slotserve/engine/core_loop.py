@@ -68,8 +68,8 @@ class EngineCoreLoop:
         self.inputs: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
         self.state = LoopState.RUNNING
         if core.structured_output_manager is not None:
-            # A finished compile wakes a loop that waits with nothing else to do.
-            core.structured_output_manager.on_compiled = lambda: self.inputs.put(
+            # A compile that starts or ends wakes a loop that waits with nothing else to do.
+            core.structured_output_manager.on_progress = lambda: self.inputs.put(
                 (EngineCoreRequestType.WAKE, None))
 
     def run(self) -> None:
@@ -86,8 +86,8 @@ class EngineCoreLoop:
                 self._step()
 
     def _wait_timeout(self, ticking: bool) -> float | None:
-        """How long an idle loop may block: until the next session tick, or the next
-        grammar deadline (a request whose grammar is overdue is refused in step())."""
+        """How long an idle loop may block: until the next session tick, or the deadline of
+        a running compile (a request whose grammar is overdue is refused in step())."""
         timeout = SESSION_TICK_S if ticking else None
         deadline = self.core.next_grammar_deadline()
         if deadline is not None:

@@ -100,6 +100,10 @@ class GuidanceBackend:
                         f"structured outputs need a fast tokenizer: {exc}") from exc
             return self._tokenizer
 
+    def prepare(self) -> None:
+        """Build the tokenizer now (GrammarCompileError if it cannot be)."""
+        self.ll_tokenizer  # noqa: B018 - the property builds it
+
     def compile(self, grammar: str, limits: llguidance.LLParserLimits | None = None
                 ) -> llguidance.LLMatcher:
         """A matcher in its initial state, its first mask computed (the lexer builds lazily,

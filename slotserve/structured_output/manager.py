@@ -4,8 +4,9 @@ their text, and fills each step's token bitmask.
 - `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
   background thread (llguidance drops the GIL while it builds), so the step loop never waits
   for one; a cached text (success or failure) answers at once. A compile that fails, or takes
-  longer than `compile_timeout_s`, fails with GrammarCompileError carrying the library's
-  message, and the same text fails the same way afterwards.
+  longer than `compile_timeout_s` (from when it starts: the tokenizer, built once on the
+  same thread at startup, does not count), fails with GrammarCompileError carrying the
+  library's message, and the same text fails the same way afterwards.
 - `grammar_bitmask(requests, scheduler_output)` builds the GrammarOutput of a step: one row
   per request that samples in it and has a grammar, filled from the matchers the scheduler
   advanced. With `overlap=True` the rows are filled on a helper thread while the forward
@@ -15,6 +16,7 @@ their text, and fills each step's token bitmask.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +38,7 @@ from slotserve.structured_output.backend import (
 )
 
 CompiledGrammar = llguidance.LLMatcher
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -60,8 +63,10 @@ class StructuredOutputManager:
         self.max_cached = max_cached
         self.overlap = overlap
         self.stats = StructuredOutputStats()
-        # Called (on the compile thread) when a compile finishes: wakes an idle step loop.
-        self.on_compiled: Callable[[], None] | None = None
+        # Called (on the compile thread) when a compile starts and when it ends: wakes an idle
+        # step loop, which then knows the compile's deadline, or admits its requests.
+        self.on_progress: Callable[[], None] | None = None
+        self._started: dict[str, float] = {}
         self._cache: OrderedDict[str, CompiledGrammar | GrammarCompileError] = OrderedDict()
         self._inflight: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
@@ -73,6 +78,24 @@ class StructuredOutputManager:
         self._bitmask: npt.NDArray[np.int32] | None = None
 
     # ----- compiling ---------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Build the tokenizer on the compile thread now, before the first grammar needs it
+        (a second or more for a large vocabulary)."""
+        def build() -> None:
+            try:
+                self.backend.prepare()
+            except Exception as exc:  # noqa: BLE001 - the first grammar reports it
+                logger.warning("structured outputs will be unavailable: %s", exc)
+
+        self._compiler.submit(build)
+
+    def compile_deadline(self, grammar: str) -> float | None:
+        """When a compile that has started must be done (monotonic seconds); None before it
+        starts."""
+        with self._lock:
+            started = self._started.get(grammar)
+        return None if started is None else started + self.compile_timeout_s
 
     def request_grammar(self, grammar: str) -> concurrent.futures.Future[CompiledGrammar]:
         with self._lock:
@@ -92,9 +115,14 @@ class StructuredOutputManager:
             return future
 
     def _compile(self, grammar: str) -> CompiledGrammar:
-        start = time.monotonic()
         result: CompiledGrammar | GrammarCompileError
+        start = time.monotonic()
         try:
+            self.backend.prepare()  # built once, outside any grammar's time
+            start = time.monotonic()
+            with self._lock:
+                self._started[grammar] = start
+            self._progress()
             result = self.backend.compile(grammar)
         except GrammarCompileError as exc:
             result = exc
@@ -112,11 +140,15 @@ class StructuredOutputManager:
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
             self._inflight.pop(grammar, None)
-        if self.on_compiled is not None:
-            self.on_compiled()
+            self._started.pop(grammar, None)
+        self._progress()
         if isinstance(result, GrammarCompileError):
             raise result
         return result
+
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
 
     def make_request(self, compiled: CompiledGrammar) -> StructuredOutputRequest:
         """A fresh matcher for one request (a copy of the compiled one, in its start state)."""
