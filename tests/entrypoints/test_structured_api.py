@@ -200,3 +200,30 @@ def test_a_grammar_the_tokenizer_cannot_compile_is_400_in_both_modes(any_mode: S
                        timeout=30)
         assert r.status_code == 400, r.text
         assert "not_a_token" in r.json()["error"]["message"]
+
+
+def test_a_session_is_held_to_its_grammar_across_chunks(drained: Served) -> None:
+    from websockets.sync.client import connect
+
+    from tests.entrypoints.test_sessions import recv, ws_url
+
+    texts = []
+    with connect(ws_url(drained.url), open_timeout=30) as ws:
+        recv(ws)
+        for i, chunk in enumerate([{"structured_outputs": {"regex": "([a-z]{3} ){1,30}"}},
+                                   {}, {"structured_outputs": {"regex": "([a-z]{3} ){1,30}"}}]):
+            ws.send(json.dumps({"type": "input", "prompt": " and" if i else "Speak:",
+                                "max_tokens": 5, "temperature": 0, **chunk}))
+            text = ""
+            while (msg := recv(ws))["type"] == "delta":
+                text += msg["text"]
+            assert msg["type"] == "chunk.done", msg
+            texts.append(text)
+        # Changing a session's grammar is refused.
+        ws.send(json.dumps({"type": "input", "prompt": " x", "max_tokens": 2,
+                            "structured_outputs": {"regex": "[0-9]+"}}))
+        assert recv(ws)["type"] == "error"
+    # Each chunk continues the one output stream (its first token re-samples the last one
+    # the previous chunk sampled, which the session dropped).
+    for text in texts:
+        assert re.fullmatch(r"[a-z ]+", text), texts

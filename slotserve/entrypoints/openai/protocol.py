@@ -82,6 +82,8 @@ class _SamplingFields(OpenAIBaseModel):
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=(self.structured_outputs.to_params()
+                                if self.structured_outputs is not None else None),
         )
 
 
