@@ -163,11 +163,13 @@ def test_a_grammar_that_fails_fails_only_its_request(fake_engine: FakeEngineFact
     with pytest.raises(RequestValidationError, match="no_such_token"):
         llm.generate(prompts_for(3), [SamplingParams(max_tokens=8), bad, json_params()],
                      use_tqdm=False)
-    # The same grammar again fails at once (cached), and the engine goes on.
+    # The same grammar again fails at once (cached), and the engine goes on; each grammar
+    # text was compiled once.
     with pytest.raises(RequestValidationError, match="no_such_token"):
         llm.generate(prompts_for(1), bad, use_tqdm=False)
     outs = llm.generate(prompts_for(2), json_params(), use_tqdm=False)
     assert all(o.finished for o in outs)
+    assert llm.get_stats().num_grammars_compiled == 2
     assert_idle(llm.llm_engine)
 
 
