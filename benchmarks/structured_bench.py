@@ -12,9 +12,10 @@ would have it cached.
 Two constrained engines run: one filling the bitmask on a helper thread while the forward
 pass runs (the default, `grammar_bitmask_overlap=True`), one filling it on the step loop
 before the forward pass. Rounds alternate free / overlapped / inline (rotating the order);
-reported are medians, ratios being medians of each round's pairs, and from the engines'
-counters the bitmask fill time per constrained token and the part of it the step loop
-waited for.
+reported are medians, ratios being medians of each round's pairs (wall time, and this
+process's CPU time, which the load of other processes on a shared machine inflates far
+less; with overlap it includes the helper thread), and from the engines' counters the
+bitmask fill time per constrained token and the part of it the step loop waited for.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/structured_bench.py [--rounds 3]
         [--model PATH | GGUF] [--num-requests 64] [--json out.json]
@@ -58,6 +59,7 @@ SCHEMA: dict[str, Any] = {
 @dataclass(slots=True)
 class Run:
     wall_s: float
+    cpu_s: float  # time.process_time: this process's CPU time, every thread
     tokens: int
     mask_rows: int = 0
     mask_fill_s: float = 0.0
@@ -79,13 +81,14 @@ class Engine:
 
     def run(self) -> Run:
         before = self.llm.get_stats()
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         outs = self.llm.generate(self.inputs, self.params, use_tqdm=False)
-        wall = time.perf_counter() - wall
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         after = self.llm.get_stats()
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == self.expected, "a request ended early: the schema completed?"
-        return Run(wall, produced, after.num_grammar_mask_rows - before.num_grammar_mask_rows,
+        return Run(wall, cpu, produced,
+                   after.num_grammar_mask_rows - before.num_grammar_mask_rows,
                    after.grammar_mask_fill_s - before.grammar_mask_fill_s,
                    after.grammar_mask_wait_s - before.grammar_mask_wait_s)
 
@@ -122,25 +125,32 @@ def main(argv: list[str] | None = None) -> int:
                          f"step loop waited {1e6 * run.mask_wait_s / run.mask_rows:.1f} us/token"
                          if run.mask_rows else "")
             print(f"round {r + 1} {name:10s}: {run.wall_s:6.2f} s  "
-                  f"{run.tokens / run.wall_s:8.1f} tok/s{per_token}", flush=True)
+                  f"{run.tokens / run.wall_s:8.1f} tok/s | {run.cpu_s:6.2f} s CPU "
+                  f"{run.tokens / run.cpu_s:8.1f} tok/s{per_token}", flush=True)
     med = statistics.median
     tok_s = {n: [r.tokens / r.wall_s for r in runs[n]] for n in names}
+    cpu_tok_s = {n: [r.tokens / r.cpu_s for r in runs[n]] for n in names}
     report: dict[str, Any] = {"model": args.model, "num_requests": args.num_requests,
                               "max_num_seqs": args.max_num_seqs, "rounds": args.rounds,
                               "threads": args.threads, "output_tokens": runs["free"][0].tokens,
                               "tok_s": {n: med(v) for n, v in tok_s.items()},
-                              "tok_s_rounds": tok_s}
+                              "tok_s_rounds": tok_s,
+                              "cpu_tok_s": {n: med(v) for n, v in cpu_tok_s.items()},
+                              "cpu_tok_s_rounds": cpu_tok_s}
     for name in ("overlapped", "inline"):
         ratio = med(c / f for c, f in zip(tok_s[name], tok_s["free"], strict=True))
+        cpu_ratio = med(c / f for c, f in zip(cpu_tok_s[name], cpu_tok_s["free"], strict=True))
         rows = sum(r.mask_rows for r in runs[name])
         fill = 1e6 * sum(r.mask_fill_s for r in runs[name]) / rows
         wait = 1e6 * sum(r.mask_wait_s for r in runs[name]) / rows
-        report[name] = {"ratio_vs_free": ratio, "mask_fill_us_per_token": fill,
+        report[name] = {"ratio_vs_free": ratio, "cpu_ratio_vs_free": cpu_ratio,
+                        "mask_fill_us_per_token": fill,
                         "mask_wait_us_per_token": wait,
                         "runs": [asdict(r) for r in runs[name]]}
         print(f"{name:10s}: {med(tok_s[name]):8.1f} tok/s vs free {med(tok_s['free']):8.1f}: "
-              f"ratio {ratio:.3f}; bitmask {fill:.1f} us per token to fill, "
-              f"{wait:.1f} us per token waited for by the step loop", flush=True)
+              f"ratio {ratio:.3f} wall, {cpu_ratio:.3f} CPU time; bitmask {fill:.1f} us per "
+              f"token to fill, {wait:.1f} us per token waited for by the step loop",
+              flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")

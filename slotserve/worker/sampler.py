@@ -121,10 +121,11 @@ def unpack_grammar_bias(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def apply_grammar_bias(logits: torch.Tensor, rows: torch.Tensor | None,
                        bias: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens of the given rows (None: every row, in order) get -inf."""
+    """Disallowed tokens of the given rows (None: every row, in order) get -inf, in place
+    (the sampler's logits are its own: a large vocabulary makes a copy cost)."""
     if rows is None:
-        return logits + bias
-    return logits.index_add(0, rows, bias.contiguous())
+        return logits.add_(bias)
+    return logits.index_add_(0, rows, bias.contiguous())
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

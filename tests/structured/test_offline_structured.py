@@ -146,7 +146,7 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
         meta = SamplingMetadata(temperature=temp, all_greedy=greedy, grammar_rows=grammar_rows,
                                 grammar_bias=row_bias, **extra)
         for _ in range(5):
-            out = sampler(logits, meta)
+            out = sampler(logits.clone(), meta)  # the sampler masks its logits in place
             assert allowed[torch.arange(rows), out.sampled].all(), (greedy, extra)
             if out.topk_ids is not None and out.topk_logprobs is not None:
                 finite = out.topk_logprobs > float("-inf")
