@@ -75,7 +75,7 @@ def fake_engine(tokenizer: Any) -> FakeEngineFactory:
         manager = StructuredOutputManager(
             GuidanceBackend(lambda: (tokenizer, [TOKENIZER_EOS]), vocab), args.max_num_seqs,
             compile_timeout_s=args.grammar_compile_timeout_s,
-            overlap=args.grammar_bitmask_overlap)
+            overlap=args.grammar_bitmask_overlap is not False)
         core = EngineCore(args.create_engine_config(max_position_embeddings, num_blocks), runner,
                           manager)
         return LLMEngine(InprocClient(core), tokenizer, config)  # type: ignore[arg-type]

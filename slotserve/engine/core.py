@@ -113,8 +113,11 @@ class EngineCore:
         runner = ModelRunner((model, model_config), config.scheduler_config,
                              config.cache_config, dtype=dtype, device=device, seed=args.seed,
                              native_attention=args.native_attention)
-        return cls(config, runner, _structured_output_manager(args, path, model_config,
-                                                               config.scheduler_config.max_num_seqs))
+        overlap = args.grammar_bitmask_overlap
+        if overlap is None:
+            overlap = device.type != "cpu"
+        return cls(config, runner, _structured_output_manager(
+            args, path, model_config, config.scheduler_config.max_num_seqs, overlap))
 
     # ----- requests in and out ----------------------------------------------------------------
 
@@ -341,7 +344,7 @@ class EngineCore:
 
 
 def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelConfig,
-                               max_num_seqs: int) -> StructuredOutputManager:
+                               max_num_seqs: int, overlap: bool) -> StructuredOutputManager:
     """Structured outputs for this model: the grammar library's tokenizer builds on the
     compile thread from the start, off the step loop."""
     from slotserve.structured_output import GuidanceBackend, StructuredOutputManager
@@ -352,6 +355,6 @@ def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelC
 
     manager = StructuredOutputManager(
         GuidanceBackend(tokenizer_and_eos, model_config.vocab_size), max_num_seqs,
-        compile_timeout_s=args.grammar_compile_timeout_s, overlap=args.grammar_bitmask_overlap)
+        compile_timeout_s=args.grammar_compile_timeout_s, overlap=overlap)
     manager.warm_up()
     return manager

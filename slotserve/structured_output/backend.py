@@ -65,6 +65,11 @@ class GuidanceGrammar:
     def consumed_token_ids(self) -> list[int]:
         return self._consumed
 
+    def fill_bitmask(self, bitmask: npt.NDArray[np.int32], row: int) -> None:
+        """The tokens allowed next (EOS only once the grammar is complete)."""
+        view = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+
 
 class GuidanceBackend:
     """Compiles grammar texts for one tokenizer; thread-safe (compiles run off the step

@@ -10,7 +10,8 @@ their text, and fills each step's token bitmask.
 - `grammar_bitmask(requests, scheduler_output)` builds the GrammarOutput of a step: one row
   per request that samples in it and has a grammar, filled from the matchers the scheduler
   advanced. With `overlap=True` the rows are filled on a helper thread while the forward
-  pass runs; the worker waits for them just before sampling.
+  pass runs (the engine's default when the model runs on an accelerator); the worker waits
+  for them just before sampling.
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ class StructuredOutputManager:
             1, thread_name_prefix="slotserve-bitmask") if overlap else None)
         self._max_num_seqs = max_num_seqs
         self._bitmask: npt.NDArray[np.int32] | None = None
-        # Fills a step's rows in one call, on llguidance's own threads (most of the CPUs).
-        self._executor = llguidance.LLExecutor()
 
     # ----- compiling ---------------------------------------------------------------------------
 
@@ -194,9 +193,8 @@ class StructuredOutputManager:
     def _fill(self, rows: list[tuple[str, GuidanceGrammar]],
               bitmask: npt.NDArray[np.int32]) -> None:
         start = time.perf_counter()
-        self._executor.unsafe_compute_mask_ptr(
-            [(grammar.matcher, i) for i, (_, grammar) in enumerate(rows)],
-            bitmask.ctypes.data, bitmask.shape[1] * 4, len(rows))
+        for i, (_, grammar) in enumerate(rows):
+            grammar.fill_bitmask(bitmask, i)
         took = time.perf_counter() - start
         self.stats.num_mask_rows += len(rows)
         self.stats.mask_fill_s += took
