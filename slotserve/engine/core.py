@@ -171,6 +171,16 @@ class EngineCore:
         self.rejected_outputs.append(EngineCoreOutput(
             request_id, [], "error", finished=True, finish_message=message, rejected=True))
 
+    def finish_refused(self, request_id: str, message: str) -> None:
+        """End a request the scheduler refused after its grammar compiled (it is freed if it
+        got in); its output goes with the next step."""
+        if request_id in self.scheduler.requests:
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+            if self.trace is not None:
+                self.trace.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        self.rejected_outputs.append(EngineCoreOutput(
+            request_id, [], "error", finished=True, finish_message=message))
+
     def _admit_compiled(self, now: float) -> None:
         """Move the requests whose grammar is ready into the scheduler (with what queued
         behind them); refuse those whose grammar failed, or whose compile ran over the
@@ -180,10 +190,14 @@ class EngineCore:
         for rid, wait in list(self.waiting_for_grammar.items()):
             if wait.future.done():
                 del self.waiting_for_grammar[rid]
-                head = wait.queue.popleft()
-                if self._admit(head, wait.future):
-                    for later in wait.queue:
-                        self.add_request(later)
+                try:
+                    if self._admit(wait.queue.popleft(), wait.future):
+                        for later in wait.queue:
+                            self.add_request(later)
+                except Exception as exc:  # noqa: BLE001 - as the loop does for an ADD
+                    # The front validated these, so the two disagree: end it visibly.
+                    logger.error("the engine core refused request %s: %s", rid, exc)
+                    self.finish_refused(rid, str(exc))
                 continue
             deadline = manager.compile_deadline(wait.grammar)
             if deadline is not None and now > deadline:
