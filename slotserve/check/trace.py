@@ -67,8 +67,12 @@ class TraceRecorder:
 
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
                now: float | None = None) -> None:
-        self._write({"event": "update", "step": self._step_of.pop(id(out)),
-                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids, "now": now})
+        record: dict[str, Any] = {"event": "update", "step": self._step_of.pop(id(out)),
+                                  "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids,
+                                  "now": now}
+        if mro.failed:
+            record["failed"] = mro.failed
+        self._write(record)
 
     def close(self) -> None:
         self._f.close()
@@ -108,7 +112,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 ids = e["req_ids"]
                 scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
                     req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=e["sampled"]), now=e.get("now"))
+                    sampled_token_ids=e["sampled"], failed=e.get("failed")), now=e.get("now"))
     assert scheduler is not None, "empty trace"
     return scheduler, ordered
 

@@ -45,6 +45,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     streaming_session_timeout_s: float = 600.0
+    idle_slot_grace_s: float = 2.0
+    max_idle_sessions: int | None = None
     check: bool = False
     trace_path: str | None = None
     seed: int | None = None
@@ -116,6 +118,8 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             streaming_session_timeout_s=self.streaming_session_timeout_s,
+            idle_slot_grace_s=self.idle_slot_grace_s,
+            max_idle_sessions=self.max_idle_sessions,
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching)
