@@ -94,8 +94,11 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 continue
             assert scheduler is not None, "a trace starts with its config"
             if kind == "add":
+                params = e["params"]
+                if params.get("logit_bias"):  # JSON object keys are strings
+                    params["logit_bias"] = {int(t): v for t, v in params["logit_bias"].items()}
                 scheduler.add_request(Request(
-                    e["id"], e["prompt"], SamplingParams(**e["params"]), eos_token_id=e["eos"],
+                    e["id"], e["prompt"], SamplingParams(**params), eos_token_id=e["eos"],
                     priority=e["priority"], arrival_time=e["arrival_time"],
                     resumable=e["resumable"], cache_salt=e["cache_salt"]))
             elif kind == "finish":

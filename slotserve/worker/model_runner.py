@@ -269,12 +269,22 @@ class ModelRunner:
                                                 b.num_tokens[slots], self.vocab_size))
         n_out = b.num_tokens[slots] - b.num_prompt_tokens[slots]
         below = np.nonzero(n_out < b.min_tokens[slots])[0]
-        pairs = [(int(row), tok) for row in below for tok in b.min_tokens_stop_ids[slots[row]]
-                 if 0 <= tok < self.vocab_size]
-        if pairs:
-            rows, toks = zip(*pairs, strict=True)
-            meta.masked_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-            meta.masked_tokens = torch.tensor(toks, dtype=torch.int64, device=dev)
+        if len(below):
+            rows, toks = _row_pairs(below, [b.min_tokens_stop_ids[s] for s in slots[below]],
+                                    self.vocab_size)
+            if len(rows):
+                meta.masked_rows, meta.masked_tokens = t(rows), t(toks)
+        rows_l, toks_l, vals_l = [], [], []
+        for row, slot in enumerate(slots.tolist()):
+            bias = b.logit_bias[slot]
+            if bias is not None:
+                keep = bias[0] < self.vocab_size
+                toks_l.append(bias[0][keep])
+                vals_l.append(bias[1][keep])
+                rows_l.append(np.full(len(toks_l[-1]), row, dtype=np.int64))
+        if rows_l:
+            meta.bias_rows, meta.bias_tokens = t(np.concatenate(rows_l)), t(np.concatenate(toks_l))
+            meta.bias_values = t(np.concatenate(vals_l))
         nlp = b.num_logprobs[slots]
         if (nlp >= 0).any():
             meta.max_num_logprobs = int(nlp.max())
@@ -309,6 +319,16 @@ class ModelRunner:
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
         )
+
+
+def _row_pairs(rows: np.ndarray, ids: list[np.ndarray], vocab_size: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token id) pairs for each row's ids, ids outside the vocabulary dropped."""
+    counts = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    all_rows = np.repeat(rows.astype(np.int64), counts)
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    keep = (all_ids >= 0) & (all_ids < vocab_size)
+    return all_rows[keep], all_ids[keep]
 
 
 def _merge_outputs(outputs: list[ModelRunnerOutput],

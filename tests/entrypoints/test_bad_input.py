@@ -76,8 +76,6 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("oversize-body", CMPL, cmpl(prompt="x" * (9 * 1024 * 1024)), 413, None),
     ("tokenize-neither", "/tokenize", {"model": MODEL_NAME}, 400, "prompt"),
     ("detokenize-bad-id", "/detokenize", {"tokens": [1, -4]}, 400, "tokens"),
-    ("reset-bad-flag", "/reset_prefix_cache?reset_running_requests=maybe", {}, 400,
-     "reset_running_requests"),
 ]
 
 

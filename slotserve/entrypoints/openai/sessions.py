@@ -2,16 +2,22 @@
 
 Protocol (JSON text messages):
   client -> server  {"type": "input", "prompt": "text" | [token ids], "max_tokens": 16, ...}
-                    (any sampling field of /v1/completions except n, stop and stream)
+                    (any sampling field of /v1/completions except n, stop and stream; the
+                    first chunk's prompt may not be empty, a later one may: generate more)
                     {"type": "end"}  finish the session after the chunks sent so far
   server -> client  {"type": "session.created", "id", "model"}
                     {"type": "delta", "chunk": i, "text", "token_ids"[, "logprobs"]}
                     {"type": "chunk.done", "chunk": i, "finish_reason", "stop_reason", "usage"}
-                    {"type": "session.done", "usage"}            then the socket closes (1000)
-                    {"type": "error", "error": {...}}            a refused message; the session
-                                                                 goes on, unless "fatal" is true
-Each chunk is validated here before it reaches the engine. A dropped connection cancels the
-session's generator, which aborts the session in the engine and frees its blocks and slot.
+                    {"type": "session.done", "usage", "reason", "message"}  then the socket
+                        closes (1000); reason: "end" (the client's), "idle_timeout" (no input
+                        for the idle timeout), "length" (the session outgrew the context)
+                    {"type": "error", "error": {...}, "fatal": bool}  a refused message (the
+                        session goes on) or, fatal, a failed session (the socket closes, 1011)
+Each chunk is validated (and tokenized, off the event loop) here before it reaches the engine.
+A binary frame, or any message after "end", is refused with an error message. A message over
+the server's size limit closes the socket with 1009 (uvicorn's ws_max_size). A dropped
+connection cancels the session's generator, which aborts the session in the engine and frees
+its blocks and slot; it is logged once, at debug level.
 """
 
 from __future__ import annotations
@@ -31,16 +37,33 @@ from slotserve.entrypoints.async_llm import StreamingInput
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
+from slotserve.errors import RequestValidationError
 
 logger = logging.getLogger(__name__)
 
 # Chunks accepted but not yet applied; a client far ahead of the engine waits for room.
 MAX_QUEUED_CHUNKS = 64
+# Why the engine ended a session the client had not ended, as session.done tells it.
+END_REASONS = {"abort": "idle_timeout", "length": "length"}
+# Sending to or receiving from a client that has gone raises one of these (Starlette's, or
+# the ASGI server's after the socket closed); _send and _receive turn them into _Gone.
+_SOCKET_ERRORS = (WebSocketDisconnect, RuntimeError, OSError)
+
+
+class _Gone(Exception):  # noqa: N818 - a condition
+    """The client has gone: nothing more can be sent to it."""
+
+
+async def _send(ws: WebSocket, message: dict[str, Any]) -> None:
+    try:
+        await ws.send_json(message)
+    except _SOCKET_ERRORS as exc:
+        raise _Gone() from exc
 
 
 class _SessionState:
     __slots__ = ("num_chunks", "held_tokens", "chunk_prompt_lens", "total_prompt",
-                 "total_completion")
+                 "total_completion", "ended")
 
     def __init__(self) -> None:
         self.num_chunks = 0
@@ -51,6 +74,8 @@ class _SessionState:
         self.chunk_prompt_lens: list[int] = []
         self.total_prompt = 0
         self.total_completion = 0
+        # The client sent "end": anything after it is refused.
+        self.ended = False
 
 
 class OpenAIServingSessions(OpenAIServing):
@@ -59,39 +84,69 @@ class OpenAIServingSessions(OpenAIServing):
         session_id = f"sess-{random_uuid()}"
         state = _SessionState()
         inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue(MAX_QUEUED_CHUNKS)
-        await ws.send_json({"type": "session.created", "id": session_id,
-                            "model": self.served_model_names[0]})
+        try:
+            await _send(ws, {"type": "session.created", "id": session_id,
+                             "model": self.served_model_names[0]})
+        except _Gone:
+            return
         writer = asyncio.ensure_future(self._write(ws, session_id, state, inputs))
         reader = asyncio.ensure_future(self._read(ws, state, inputs))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if reader in done and reader.result() is False:
-                # The client went away: cancelling the writer aborts the session.
-                writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
+            if reader in done:
+                outcome = reader.result()
+                if outcome == "gone":
+                    # The client went away: cancelling the writer aborts the session.
+                    logger.debug("session %s: the client disconnected", session_id)
+                    writer.cancel()
+                elif outcome == "idle":
+                    writer.cancel()
+                    await self._finish(ws, session_id, state, "idle_timeout",
+                                       "no input arrived within the idle timeout")
+            with contextlib.suppress(asyncio.CancelledError, _Gone):
                 await writer
         finally:
             reader.cancel()
             writer.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
 
+    def _idle_timeout(self) -> float:
+        return self.engine.engine.config.scheduler_config.streaming_session_timeout_s
+
     async def _read(self, ws: WebSocket, state: _SessionState,
-                    inputs: asyncio.Queue[StreamingInput | None]) -> bool:
-        """Validate client messages into chunks; False when the client disconnected."""
-        try:
-            while True:
-                raw = await ws.receive_text()
+                    inputs: asyncio.Queue[StreamingInput | None]) -> str:
+        """Validate client messages into chunks until the client goes ("gone"), or until the
+        idle timeout passes before a first chunk ("idle"; later the engine times the session
+        out itself)."""
+        while True:
+            try:
+                async with asyncio.timeout(None if state.num_chunks else self._idle_timeout()):
+                    message = await ws.receive()
+            except TimeoutError:
+                return "idle"
+            except _SOCKET_ERRORS:
+                return "gone"
+            if message["type"] == "websocket.disconnect":
+                return "gone"
+            text = message.get("text")
+            try:
+                if text is None:
+                    raise bad_request("binary frames are not accepted: send JSON text messages",
+                                      None, "unsupported_frame")
+                if state.ended:
+                    raise bad_request("the session has ended: no input is taken after 'end'",
+                                      None, "session_ended")
+                chunk = await self.engine.run_off_loop(self._parse, text, state)
+            except (APIError, ValidationError, RequestValidationError, ValueError) as exc:
+                err = from_exception(exc)
                 try:
-                    chunk = self._parse(raw, state)
-                except (APIError, ValidationError, ValueError) as exc:
-                    err = from_exception(exc)
-                    await ws.send_json({"type": "error", **err.body(), "fatal": False})
-                    continue
-                await inputs.put(chunk)
-                if chunk is None:
-                    return True
-        except WebSocketDisconnect:
-            return False
+                    await _send(ws, {"type": "error", **err.body(), "fatal": False})
+                except _Gone:
+                    return "gone"
+                continue
+            await inputs.put(chunk)
+            if chunk is None:
+                state.ended = True
 
     def _parse(self, raw: str, state: _SessionState) -> StreamingInput | None:
         try:
@@ -112,9 +167,9 @@ class OpenAIServingSessions(OpenAIServing):
             raise bad_request("sessions support only n=1", "n")
         params = msg.to_sampling_params(msg.max_tokens)
         first = state.num_chunks == 0
+        # One rule for an empty prompt, as for /v1/completions: the first chunk may not be
+        # empty (before tokenization: its BOS alone would look like a prompt).
         prompt = self.engine.processor.tokenize_chunk(msg.prompt, first)
-        if first and not prompt:
-            raise bad_request("the first chunk's prompt is empty", "prompt")
         self.engine.processor.process(
             "session-check", prompt, params, resumable=True,
             continuation_of=None if first else state.held_tokens)
@@ -131,6 +186,7 @@ class OpenAIServingSessions(OpenAIServing):
 
         chunk_index = 0
         chunk_tokens = 0
+        reason, message = "end", None
         try:
             async for out in self.engine.generate(chunks(), request_id=session_id):
                 c = out.outputs[0]
@@ -141,26 +197,38 @@ class OpenAIServingSessions(OpenAIServing):
                     if c.logprobs is not None:
                         msg["logprobs"] = [entry.get(t) for t, entry in
                                            zip(c.token_ids, c.logprobs, strict=False)]
-                    await ws.send_json(msg)
-                if c.finish_reason is not None:
-                    await ws.send_json(self._chunk_done(state, chunk_index, chunk_tokens,
-                                                        c.finish_reason, c.stop_reason))
+                    await _send(ws, msg)
+                if out.finished and not state.ended:
+                    # The engine ended a session the client had not ended.
+                    reason = END_REASONS.get(c.finish_reason or "", c.finish_reason or "end")
+                    message = c.finish_message
+                if c.finish_reason is not None and (c.token_ids or not out.finished
+                                                    or chunk_index < state.num_chunks):
+                    await _send(ws, self._chunk_done(state, chunk_index, chunk_tokens,
+                                                     c.finish_reason, c.stop_reason))
                     state.held_tokens += kept_output_tokens(chunk_tokens)
                     chunk_index += 1
                     chunk_tokens = 0
-        except WebSocketDisconnect:
-            raise
+        except _Gone:
+            logger.debug("session %s: the client went away", session_id)
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the client, then closed
-            logger.warning("session %s failed: %s", session_id, exc)
+            logger.warning("session %s failed: %s", session_id, type(exc).__name__)
             err = to_api_error(exc)
             # The client may be gone already (a failed send is what raised).
             with contextlib.suppress(Exception):
                 await ws.send_json({"type": "error", **err.body(), "fatal": True})
                 await ws.close(code=1011)
             return
-        await ws.send_json({"type": "session.done", "id": session_id, "usage": _usage(
-            state.total_prompt, state.total_completion)})
-        await ws.close(code=1000)
+        await self._finish(ws, session_id, state, reason, message)
+
+    async def _finish(self, ws: WebSocket, session_id: str, state: _SessionState,
+                      reason: str, message: str | None) -> None:
+        with contextlib.suppress(_Gone, *_SOCKET_ERRORS):
+            await _send(ws, {"type": "session.done", "id": session_id, "usage": _usage(
+                state.total_prompt, state.total_completion), "reason": reason,
+                "message": message})
+            await ws.close(code=1000)
 
     @staticmethod
     def _chunk_done(state: _SessionState, index: int, num_tokens: int, finish_reason: str,
