@@ -76,6 +76,28 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("oversize-body", CMPL, cmpl(prompt="x" * (9 * 1024 * 1024)), 413, None),
     ("tokenize-neither", "/tokenize", {"model": MODEL_NAME}, 400, "prompt"),
     ("detokenize-bad-id", "/detokenize", {"tokens": [1, -4]}, 400, "tokens"),
+    # Issue 11: numbers the worker could not hold, unbounded lists, client priority.
+    ("top-k-overflows-int64", CMPL, cmpl(top_k=2**63), 400, "top_k"),
+    ("seed-overflows-int64", CHAT, chat(seed=2**64), 400, "seed"),
+    ("temperature-absurd", CMPL, cmpl(temperature=1e300), 400, "temperature"),
+    ("repetition-penalty-tiny", CMPL, cmpl(repetition_penalty=1e-300), 400,
+     "repetition_penalty"),
+    ("stop-token-ids-800k", CMPL, cmpl(stop_token_ids=list(range(800_000))), 400,
+     "stop_token_ids"),
+    ("stop-token-id-out-of-vocab", CMPL, cmpl(stop_token_ids=[10**7]), 400, "stop_token_ids"),
+    ("stop-string-too-long", CMPL, cmpl(stop=["x" * 10_000]), 400, "stop"),
+    ("logit-bias-too-many", CMPL, cmpl(logit_bias={str(i): 1 for i in range(5000)}), 400,
+     "logit_bias"),
+    ("logit-bias-value", CHAT, chat(logit_bias={"5": 500}), 400, "logit_bias"),
+    ("logit-bias-key", CMPL, cmpl(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit-bias-out-of-vocab", CMPL, cmpl(logit_bias={str(10**7): 1}), 400, "logit_bias"),
+    ("prompts-times-n", CMPL, cmpl(prompt=["a"] * 100, n=4), 400, "n"),
+    ("too-many-prompts", CMPL, cmpl(prompt=["a"] * 300), 400, "prompt"),
+    ("priority-under-fcfs", CMPL, cmpl(priority=-10), 400, "priority"),
+    ("prompt-text-too-long-for-context", CMPL, cmpl(prompt="To be " * 400_000), 400, "prompt"),
+    ("chat-too-long-for-context", CHAT, chat(messages=[{"role": "user",
+                                                        "content": "ab " * 500_000}]), 400,
+     "messages"),
 ]
 
 

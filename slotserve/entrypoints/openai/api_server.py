@@ -145,9 +145,11 @@ def make_admission(engine: AsyncLLM, limits: ServerLimits) -> AdmissionControlle
     sched = engine.engine.config.scheduler_config
     seqs, tokens = default_bounds(sched.max_num_seqs, sched.max_num_batched_tokens,
                                   sched.max_model_len)
+    # The engine's own waiting queue is FCFS: keeping it short (a quarter of the slots' worth
+    # of sequences that have not started) leaves the order to the front's round-robin.
     return AdmissionController(limits.max_waiting_seqs or seqs,
                                limits.max_waiting_tokens or tokens, limits.max_client_share,
-                               core_window=sched.max_num_seqs)
+                               core_window=max(4, sched.max_num_seqs // 4))
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
@@ -167,6 +169,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
         metrics = engine.metrics if engine.metrics is not None else ServerMetrics(names[0])
         engine.metrics = metrics
     admission = make_admission(engine, limits)
+    metrics.admission = admission
     completion = OpenAIServingCompletion(engine, names, admission)
     chat = OpenAIServingChat(engine, names, admission)
     sessions = OpenAIServingSessions(engine, names)

@@ -64,6 +64,8 @@ def _chat_param_names(req: ChatCompletionRequest,
         err.param = "top_logprobs"
     elif err.param == "max_tokens" and req.max_completion_tokens is not None:
         err.param = "max_completion_tokens"
+    elif err.param == "prompt":  # the prompt is the rendered messages
+        err.param = "messages"
     return err
 
 

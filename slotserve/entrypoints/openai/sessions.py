@@ -14,7 +14,8 @@ Protocol (JSON text messages):
                     {"type": "error", "error": {...}, "fatal": bool}  a refused message (the
                         session goes on) or, fatal, a failed session (the socket closes, 1011)
 Each chunk is validated (and tokenized, off the event loop) here before it reaches the engine.
-A binary frame, or any message after "end", is refused with an error message. A message over
+A binary frame, any message after "end", and a chunk while 64 wait already are refused with an
+error message. A message over
 the server's size limit closes the socket with 1009 (uvicorn's ws_max_size). A dropped
 connection cancels the session's generator, which aborts the session in the engine and frees
 its blocks and slot; it is logged once, at debug level.
@@ -41,7 +42,7 @@ from slotserve.errors import RequestValidationError
 
 logger = logging.getLogger(__name__)
 
-# Chunks accepted but not yet applied; a client far ahead of the engine waits for room.
+# Chunks accepted but not yet applied; past it a chunk is refused (too_many_chunks).
 MAX_QUEUED_CHUNKS = 64
 # Why the engine ended a session the client had not ended, as session.done tells it.
 END_REASONS = {"abort": "idle_timeout", "length": "length"}
@@ -63,7 +64,7 @@ async def _send(ws: WebSocket, message: dict[str, Any]) -> None:
 
 class _SessionState:
     __slots__ = ("num_chunks", "held_tokens", "chunk_prompt_lens", "total_prompt",
-                 "total_completion", "ended")
+                 "total_completion", "ended", "gone")
 
     def __init__(self) -> None:
         self.num_chunks = 0
@@ -76,6 +77,8 @@ class _SessionState:
         self.total_completion = 0
         # The client sent "end": anything after it is refused.
         self.ended = False
+        # The client went away (seen by the reader or by a failed send).
+        self.gone = False
 
 
 class OpenAIServingSessions(OpenAIServing):
@@ -97,7 +100,7 @@ class OpenAIServingSessions(OpenAIServing):
                 outcome = reader.result()
                 if outcome == "gone":
                     # The client went away: cancelling the writer aborts the session.
-                    logger.debug("session %s: the client disconnected", session_id)
+                    state.gone = True
                     writer.cancel()
                 elif outcome == "idle":
                     writer.cancel()
@@ -109,6 +112,8 @@ class OpenAIServingSessions(OpenAIServing):
             reader.cancel()
             writer.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            if state.gone:
+                logger.debug("session %s: the client went away", session_id)
 
     def _idle_timeout(self) -> float:
         return self.engine.engine.config.scheduler_config.streaming_session_timeout_s
@@ -137,6 +142,16 @@ class OpenAIServingSessions(OpenAIServing):
                     raise bad_request("the session has ended: no input is taken after 'end'",
                                       None, "session_ended")
                 chunk = await self.engine.run_off_loop(self._parse, text, state)
+                if chunk is not None and inputs.full():
+                    # Refused rather than waited for: the reader keeps draining the socket,
+                    # so a client that floods and leaves is noticed at once.
+                    raise bad_request(f"{MAX_QUEUED_CHUNKS} chunks are waiting already: wait "
+                                      "for a chunk.done before sending more", None,
+                                      "too_many_chunks")
+                if chunk is not None:
+                    state.num_chunks += 1
+                    state.held_tokens += len(chunk.prompt)
+                    state.chunk_prompt_lens.append(len(chunk.prompt))
             except (APIError, ValidationError, RequestValidationError, ValueError) as exc:
                 err = from_exception(exc)
                 try:
@@ -173,9 +188,6 @@ class OpenAIServingSessions(OpenAIServing):
         self.engine.processor.process(
             "session-check", prompt, params, resumable=True,
             continuation_of=None if first else state.held_tokens)
-        state.num_chunks += 1
-        state.held_tokens += len(prompt)
-        state.chunk_prompt_lens.append(len(prompt))
         return StreamingInput(prompt=prompt, sampling_params=params)
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
@@ -210,7 +222,7 @@ class OpenAIServingSessions(OpenAIServing):
                     chunk_index += 1
                     chunk_tokens = 0
         except _Gone:
-            logger.debug("session %s: the client went away", session_id)
+            state.gone = True
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client, then closed
             logger.warning("session %s failed: %s", session_id, type(exc).__name__)
