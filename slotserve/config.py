@@ -28,7 +28,7 @@ class SchedulerConfig:
     streaming_session_timeout_s: float = 600.0
     # An idle session keeps its worker slot (and KV) at most this long while a waiting
     # request needs a slot; past it the slot goes to the waiting request (issue 11).
-    idle_slot_grace_s: float = 2.0
+    idle_slot_grace_s: float = 1.0
     # At most this many idle sessions keep their slot and KV; beyond it the least important,
     # longest-idle ones give theirs up at once (None: no cap but max_num_seqs).
     max_idle_sessions: int | None = None

@@ -56,7 +56,7 @@ class StreamingSessions:
     end_request: EndRequest
     # How long an idle session keeps a slot that a waiting request needs, and how many idle
     # sessions may keep slot and KV at all (None: no cap).
-    grace_s: float = 2.0
+    grace_s: float = 1.0
     max_idle: int | None = None
     # Idle sessions (they keep KV + slot), and the `now` at which each stopped.
     idle: dict[str, Request] = field(default_factory=dict)

@@ -45,7 +45,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     streaming_session_timeout_s: float = 600.0
-    idle_slot_grace_s: float = 2.0
+    idle_slot_grace_s: float = 1.0
     max_idle_sessions: int | None = None
     check: bool = False
     trace_path: str | None = None

@@ -159,7 +159,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                           metavar="SECONDS", help="end a session idle this long (default 600)")
     sessions.add_argument("--idle-slot-grace", type=float, default=None, metavar="SECONDS",
                           help="an idle session keeps a worker slot that a waiting request "
-                               "needs at most this long (default 2)")
+                               "needs at most this long (default 1)")
     sessions.add_argument("--max-idle-sessions", type=int, default=None,
                           help="idle sessions that may keep their slot and KV (default: no "
                                "cap but --max-num-seqs)")

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from slotserve.entrypoints.openai.admission import AdmissionController
+from slotserve.entrypoints.openai.admission import ACTIVE_LINGER_S, AdmissionController
 from slotserve.entrypoints.openai.api_server import build_app
 from slotserve.entrypoints.openai.errors import APIError
 from slotserve.entrypoints.openai.limits import ServerLimits
@@ -21,7 +21,7 @@ from tests.entrypoints.conftest import MODEL_NAME, Served, start_server
 
 def _controller(**kw: Any) -> AdmissionController:
     args = {"max_waiting_seqs": 100, "max_waiting_tokens": 10_000, "max_client_share": 0.5,
-            "core_window": 1, **kw}
+            "core_window": 1, "num_slots": 100, **kw}
     return AdmissionController(**args)  # type: ignore[arg-type]
 
 
@@ -41,6 +41,7 @@ def test_release_is_round_robin_over_clients() -> None:
             order.append(tickets[id(released)])
             pending.remove(released)
             adm.started(released)  # its first token: the next one may go
+            adm.finished(released)
         return order
 
     order = asyncio.run(run())
@@ -49,27 +50,54 @@ def test_release_is_round_robin_over_clients() -> None:
     assert order[4:] == ["burst2", "burst3", "burst4", "burst5"]
 
 
+def test_a_client_holds_its_share_of_slots_while_others_wait() -> None:
+    async def run() -> None:
+        adm = _controller(core_window=1, num_slots=4)  # a client's share: 2 slots
+        a = [adm.admit("a", 1, 10) for _ in range(3)]
+        assert [t.state for t in a] == ["released", "queued", "queued"]
+        adm.started(a[0])
+        assert a[1].state == "released"  # a holds 2 slots now: its share
+        b = adm.admit("b", 1, 10)
+        adm.started(a[1])
+        # a is at its share and b waits: b goes first.
+        assert b.state == "released" and a[2].state == "queued"
+        adm.started(b)
+        adm.finished(b)
+        # b has just finished: a closed-loop client between requests still counts.
+        assert a[2].state == "queued"
+        adm.last_done["b"] -= ACTIVE_LINGER_S + 0.1
+        adm._dispatch()
+        # Nobody else is active: a may use more than its share (work-conserving).
+        assert a[2].state == "released"
+        for t in a:
+            adm.finished(t)
+        assert not adm.in_engine and not adm.waiting.seqs
+
+    asyncio.run(run())
+
+
 def test_bounds_share_and_retry_after() -> None:
     async def run() -> None:
         adm = _controller(max_waiting_seqs=10, max_waiting_tokens=1000)
-        big = adm.admit("a", 400, 400_000)  # nothing waits: admitted whatever its size
-        with pytest.raises(APIError) as e:
-            adm.admit("b", 1, 10)
-        assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
-        adm.started(big)
+        # Larger than one client's share (5 sequences, 500 tokens) by itself: never fits.
+        for seqs, tokens in ((6, 10), (1, 501)):
+            with pytest.raises(APIError, match="split it") as e:
+                adm.admit("a", seqs, tokens)
+            assert e.value.status == 400 and e.value.code == "request_too_large"
         first = adm.admit("a", 5, 100)
         with pytest.raises(APIError, match="this client has too much work") as e:
             adm.admit("a", 1, 10)  # a's share is 5 sequences
-        assert e.value.code == "too_many_requests"
+        assert e.value.status == 429 and e.value.code == "too_many_requests"
+        assert e.value.headers == {"Retry-After": "1"}  # nothing has started yet
         others = [adm.admit(c, 1, 10) for c in "bcde"]
         with pytest.raises(APIError, match="the server has too much work"):
             adm.admit("f", 2, 10)
         # A cancelled or finished request frees its room at once.
-        adm.started(first)
-        assert adm.admit("f", 2, 10).state in ("queued", "in_core")
+        adm.finished(first)
+        assert adm.admit("f", 2, 10).state in ("queued", "released")
         for t in others:
-            adm.started(t)
-        assert adm.num_refused == 3
+            adm.finished(t)
+        assert adm.num_refused == 2
 
     asyncio.run(run())
 

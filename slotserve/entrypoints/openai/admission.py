@@ -5,12 +5,15 @@ the front's queue here, or in the engine before its first token. Two bounds hold
 requests, on sequences (prompts x n) and on tokens (each sequence's prompt plus max_tokens:
 the work it can still queue); a request that would pass either gets 429 with a Retry-After
 estimated from how fast waiting sequences have been starting. One client may hold at most a
-share of either bound, so its burst is refused before it fills the queue for everyone else.
+share of either bound, so its burst is refused before it fills the queue for everyone else;
+a request larger than that share by itself is refused with 400 (it could never fit).
 
 Fairness: accepted requests wait here in one queue per client and go to the engine round-robin
 over clients, while the engine holds at most `core_window` sequences that have not started
-(its waiting queue is FCFS; keeping it short keeps this order). So a client's first token
-waits behind at most one request of each other client, not behind another client's burst.
+(its waiting queue is FCFS; keeping it short keeps this order), and, while other clients
+queue, no client holds more than its share of the engine's slots (work-conserving: a client
+alone may use them all). So a client's first token waits for a slot that the burst of another
+client frees, not behind that burst's queue.
 
 A client is the request's `user` field (OpenAI's end-user id) when given, else the peer
 address. A client that sends a different `user` with every request splits its own share;
@@ -34,6 +37,8 @@ T = TypeVar("T")
 RATE_WINDOW_S = 10.0
 MAX_RETRY_AFTER_S = 60
 MAX_CLIENT_KEY_CHARS = 256
+# A client whose last request ended this recently still counts as active.
+ACTIVE_LINGER_S = 1.0
 
 
 def default_bounds(max_num_seqs: int, max_num_batched_tokens: int,
@@ -50,7 +55,8 @@ class Ticket:
     num_seqs: int
     num_tokens: int
     released: asyncio.Future[None]
-    # "queued" (here), "in_core" (sent to the engine, no output yet), "done".
+    # "queued" (here), "released" (sent to the engine, no output yet), "started" (producing:
+    # no longer waiting), "done" (ended or abandoned).
     state: str = "queued"
 
 
@@ -65,28 +71,61 @@ class AdmissionController:
     max_waiting_seqs: int
     max_waiting_tokens: int
     max_client_share: float
+    # Sequences released to the engine that have produced nothing yet, at most (unless none).
     core_window: int
+    # The engine's slots (max_num_seqs): while other clients queue, one client holds at most
+    # its share of them.
+    num_slots: int
     waiting: _Totals = field(default_factory=_Totals)
     by_client: dict[str, _Totals] = field(default_factory=dict)
     queues: dict[str, deque[Ticket]] = field(default_factory=dict)
     # Clients with queued tickets, in round-robin order.
     turn: deque[str] = field(default_factory=deque)
-    in_core_seqs: int = 0
+    # Released sequences that have not started, and those not finished, per client.
+    unstarted_seqs: int = 0
+    in_engine: dict[str, int] = field(default_factory=dict)
+    # When each client's last request ended: it still counts as active for a moment (a
+    # closed-loop client between two requests is not gone).
+    last_done: dict[str, float] = field(default_factory=dict)
     started_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
     num_refused: int = 0
 
+    @property
+    def client_max_seqs(self) -> int:
+        return max(1, int(self.max_client_share * self.max_waiting_seqs))
+
+    @property
+    def client_max_tokens(self) -> int:
+        return max(1, int(self.max_client_share * self.max_waiting_tokens))
+
+    @property
+    def client_max_slots(self) -> int:
+        return max(1, int(self.max_client_share * self.num_slots))
+
+    def precheck(self, client: str) -> None:
+        """A 429 before any work on the request (tokenizing it) when its client, or the
+        server, has no room left even for one more sequence."""
+        mine = self.by_client.get(client) or _Totals()
+        self._check(self.waiting.seqs + 1, self.max_waiting_seqs, self.waiting.tokens,
+                    self.max_waiting_tokens, "the server")
+        self._check(mine.seqs + 1, self.client_max_seqs, mine.tokens, self.client_max_tokens,
+                    "this client")
+
     def admit(self, client: str, num_seqs: int, num_tokens: int) -> Ticket:
-        """Accept a request (queued until `wait` returns) or raise a 429 APIError."""
-        mine = self.by_client.get(client)
-        if self.waiting.seqs:
-            self._check(self.waiting.seqs + num_seqs, self.max_waiting_seqs,
-                        self.waiting.tokens + num_tokens, self.max_waiting_tokens,
-                        "the server")
-            if mine is not None:
-                share = self.max_client_share
-                self._check(mine.seqs + num_seqs, max(1, int(share * self.max_waiting_seqs)),
-                            mine.tokens + num_tokens,
-                            max(1, int(share * self.max_waiting_tokens)), "this client")
+        """Accept a request (queued until `wait` returns) or raise an APIError: 400 for a
+        request that alone exceeds one client's share (it would never fit), else 429 past
+        the bounds."""
+        if num_seqs > self.client_max_seqs or num_tokens > self.client_max_tokens:
+            raise APIError(
+                400, f"this request asks for {num_seqs} sequences and {num_tokens} tokens of "
+                f"work (prompt + max_tokens); one client may have at most "
+                f"{self.client_max_seqs} sequences and {self.client_max_tokens} tokens waiting "
+                "on this server: split it", param="n", code="request_too_large")
+        mine = self.by_client.get(client) or _Totals()
+        self._check(self.waiting.seqs + num_seqs, self.max_waiting_seqs,
+                    self.waiting.tokens + num_tokens, self.max_waiting_tokens, "the server")
+        self._check(mine.seqs + num_seqs, self.client_max_seqs, mine.tokens + num_tokens,
+                    self.client_max_tokens, "this client")
         ticket = Ticket(client, num_seqs, num_tokens, asyncio.get_running_loop().create_future())
         self._add(client, num_seqs, num_tokens)
         queue = self.queues.get(client)
@@ -103,7 +142,17 @@ class AdmissionController:
         return True
 
     def started(self, ticket: Ticket) -> None:
-        """The request produced its first output, ended, or was abandoned: it waits no more."""
+        """The request produced its first output: it waits no more (its sequences still hold
+        engine slots until `finished`)."""
+        if ticket.state == "released":
+            self.unstarted_seqs -= ticket.num_seqs
+            self.started_times.append((time.monotonic(), ticket.num_seqs))
+            ticket.state = "started"
+            self._add(ticket.client, -ticket.num_seqs, -ticket.num_tokens)
+            self._dispatch()
+
+    def finished(self, ticket: Ticket) -> None:
+        """The request ended, or was abandoned (queued or not)."""
         if ticket.state == "done":
             return
         if ticket.state == "queued":
@@ -112,24 +161,28 @@ class AdmissionController:
             if not queue:
                 del self.queues[ticket.client]
                 self.turn.remove(ticket.client)
-        else:
-            self.in_core_seqs -= ticket.num_seqs
-            self.started_times.append((time.monotonic(), ticket.num_seqs))
-        ticket.state = "done"
-        self._add(ticket.client, -ticket.num_seqs, -ticket.num_tokens)
-        if not ticket.released.done():
+            self._add(ticket.client, -ticket.num_seqs, -ticket.num_tokens)
             ticket.released.cancel()
+        else:
+            self.started(ticket)
+            left = self.in_engine[ticket.client] - ticket.num_seqs
+            if left:
+                self.in_engine[ticket.client] = left
+            else:
+                del self.in_engine[ticket.client]
+            self.last_done[ticket.client] = time.monotonic()
+        ticket.state = "done"
         self._dispatch()
 
     async def track(self, ticket: Ticket, outputs: AsyncGenerator[T, None]
                     ) -> AsyncGenerator[T, None]:
-        """`outputs`, marking the ticket started at the first one (or at the end)."""
+        """`outputs`, marking the ticket started at the first one and finished at the end."""
         try:
             async for item in outputs:
                 self.started(ticket)
                 yield item
         finally:
-            self.started(ticket)
+            self.finished(ticket)
             await outputs.aclose()
 
     # ----- internals -----------------------------------------------------------------------
@@ -143,17 +196,48 @@ class AdmissionController:
         if mine.seqs == 0:
             del self.by_client[client]
 
+    def _others_active(self, client: str) -> bool:
+        """Whether a client other than `client` is queued, in the engine, or was within the
+        last ACTIVE_LINGER_S."""
+        if len(self.turn) > 1 or any(c != client for c in self.in_engine):
+            return True
+        now = time.monotonic()
+        for c, t in list(self.last_done.items()):
+            if now - t > ACTIVE_LINGER_S:
+                del self.last_done[c]
+            elif c != client:
+                return True
+        return False
+
     def _dispatch(self) -> None:
-        while self.turn and self.in_core_seqs < self.core_window:
-            client = self.turn.popleft()
+        """Release queued tickets round-robin over clients while the engine has room: few
+        sequences waiting in it that have not started, and, while other clients are active,
+        no client over its share of the slots (so theirs find a free slot rather than wait
+        for one of its requests to end: there is no preemption between clients). A client
+        alone may use every slot."""
+        skipped = 0
+        while self.turn and skipped < len(self.turn):
+            if self.unstarted_seqs and self.unstarted_seqs >= self.core_window:
+                return
+            client = self.turn[0]
+            ticket = self.queues[client][0]
+            held = self.in_engine.get(client, 0)
+            if (held and held + ticket.num_seqs > self.client_max_slots
+                    and self._others_active(client)):
+                self.turn.rotate(-1)  # over its share while others are active: next
+                skipped += 1
+                continue
+            skipped = 0
+            self.turn.popleft()
             queue = self.queues[client]
-            ticket = queue.popleft()
+            queue.popleft()
             if queue:
                 self.turn.append(client)
             else:
                 del self.queues[client]
-            ticket.state = "in_core"
-            self.in_core_seqs += ticket.num_seqs
+            ticket.state = "released"
+            self.unstarted_seqs += ticket.num_seqs
+            self.in_engine[client] = held + ticket.num_seqs
             ticket.released.set_result(None)
 
     def _check(self, seqs: int, max_seqs: int, tokens: int, max_tokens: int, who: str) -> None:

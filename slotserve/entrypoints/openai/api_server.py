@@ -149,7 +149,8 @@ def make_admission(engine: AsyncLLM, limits: ServerLimits) -> AdmissionControlle
     # of sequences that have not started) leaves the order to the front's round-robin.
     return AdmissionController(limits.max_waiting_seqs or seqs,
                                limits.max_waiting_tokens or tokens, limits.max_client_share,
-                               core_window=max(4, sched.max_num_seqs // 4))
+                               core_window=max(4, sched.max_num_seqs // 4),
+                               num_slots=sched.max_num_seqs)
 
 
 def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],

@@ -75,6 +75,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         request_id = f"chatcmpl-{random_uuid()}"
+        self.precheck(raw, req.user)
 
         def prepare() -> ProcessedRequest:
             try:
@@ -91,8 +92,9 @@ class OpenAIServingChat(OpenAIServing):
         # for its turn.
         processed = await self.engine.run_off_loop(prepare)
         ticket = await self.admit(raw, req.user, [processed])
-        outputs = self.track(ticket, merge_generators([self.engine.generate(processed)]))
-        return await self.respond(raw, req, processed, request_id, model, outputs)
+        outputs = merge_generators([self.engine.generate(processed)])
+        return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
+                                           outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int) -> ChatChoiceLogProbs:

@@ -54,6 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = normalize_prompts(req.prompt)
         check_sequence_count(len(prompts), req.n)
+        self.precheck(raw, req.user)
         params = req.to_sampling_params(req.max_tokens)
         request_id = f"cmpl-{random_uuid()}"
 
@@ -64,9 +65,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # Tokenization happens off the event loop; then the request waits for its turn.
         processed = await self.engine.run_off_loop(prepare_all)
         ticket = await self.admit(raw, req.user, processed)
-        outputs = self.track(ticket, merge_generators([self.engine.generate(p)
-                                                       for p in processed]))
-        return await self.respond(raw, req, processed, request_id, model, outputs)
+        outputs = merge_generators([self.engine.generate(p) for p in processed])
+        return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
+                                           outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int, text_offset: int) -> CompletionLogProbs:

@@ -101,26 +101,42 @@ class OpenAIServing:
 
     # ----- admission ---------------------------------------------------------------------------
 
+    @staticmethod
+    def client_of(raw: Request, user: str | None) -> str:
+        return client_key(user, raw.client.host if raw.client is not None else None)
+
+    def precheck(self, raw: Request, user: str | None) -> None:
+        """429 at once, before tokenizing, when the client has no room left at all."""
+        if self.admission is not None:
+            self.admission.precheck(self.client_of(raw, user))
+
     async def admit(self, raw: Request, user: str | None,
                     processed: Sequence[ProcessedRequest]) -> Ticket | None:
         """Wait for this request's turn (admission.py); raises a 429 APIError past the
-        bounds; None when the client went away meanwhile."""
+        bounds; raises ClientGone when the client went away meanwhile."""
         if self.admission is None:
             return None
         seqs = sum(len(p.requests) for p in processed)
         tokens = sum(len(r.prompt_token_ids) + (r.sampling_params.max_tokens or 0)
                      for p in processed for r in p.requests)
-        peer = raw.client.host if raw.client is not None else None
-        ticket = self.admission.admit(client_key(user, peer), seqs, tokens)
+        ticket = self.admission.admit(self.client_of(raw, user), seqs, tokens)
         if await until_disconnected(raw, self.admission.wait(ticket)) is None:
-            self.admission.started(ticket)
+            self.admission.finished(ticket)
             raise ClientGone()
         return ticket
 
-    def track(self, ticket: Ticket | None, outputs: Outputs) -> Outputs:
+    async def respond_admitted(self, raw: Request, req: Any, processed: Any, request_id: str,
+                               model: str, ticket: Ticket | None, outputs: Outputs) -> Response:
+        """respond(), with the ticket marked started at the first output and finished at
+        the end (also when the outputs were never read: a client gone at once)."""
         if ticket is None or self.admission is None:
-            return outputs
-        return self.admission.track(ticket, outputs)
+            return await self.respond(raw, req, processed, request_id, model, outputs)
+        try:
+            return await self.respond(raw, req, processed, request_id, model,
+                                      self.admission.track(ticket, outputs))
+        finally:
+            if ticket.state == "released":
+                self.admission.finished(ticket)
 
     # ----- logprobs ---------------------------------------------------------------------------
 
