@@ -39,6 +39,10 @@ MAX_RETRY_AFTER_S = 60
 MAX_CLIENT_KEY_CHARS = 256
 # A client whose last request ended this recently still counts as active.
 ACTIVE_LINGER_S = 1.0
+# A client refused again within REFUSAL_MEMORY_S of its last refusal gets its 429 after
+# TARPIT_S (refusal_delay).
+REFUSAL_MEMORY_S, TARPIT_S = 1.0, 0.5
+MAX_REMEMBERED_CLIENTS = 10_000
 
 
 def default_bounds(max_num_seqs: int, max_num_batched_tokens: int,
@@ -89,6 +93,9 @@ class AdmissionController:
     last_done: dict[str, float] = field(default_factory=dict)
     started_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
     num_refused: int = 0
+    # When each client was last refused (a client that ignores Retry-After is answered
+    # slowly: see refusal_delay).
+    refused_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def client_max_seqs(self) -> int:
@@ -106,10 +113,10 @@ class AdmissionController:
         """A 429 before any work on the request (tokenizing it) when its client, or the
         server, has no room left even for one more sequence."""
         mine = self.by_client.get(client) or _Totals()
-        self._check(self.waiting.seqs + 1, self.max_waiting_seqs, self.waiting.tokens,
+        self._check(client, self.waiting.seqs + 1, self.max_waiting_seqs, self.waiting.tokens,
                     self.max_waiting_tokens, "the server")
-        self._check(mine.seqs + 1, self.client_max_seqs, mine.tokens, self.client_max_tokens,
-                    "this client")
+        self._check(client, mine.seqs + 1, self.client_max_seqs, mine.tokens,
+                    self.client_max_tokens, "this client")
 
     def admit(self, client: str, num_seqs: int, num_tokens: int) -> Ticket:
         """Accept a request (queued until `wait` returns) or raise an APIError: 400 for a
@@ -122,10 +129,10 @@ class AdmissionController:
                 f"{self.client_max_seqs} sequences and {self.client_max_tokens} tokens waiting "
                 "on this server: split it", param="n", code="request_too_large")
         mine = self.by_client.get(client) or _Totals()
-        self._check(self.waiting.seqs + num_seqs, self.max_waiting_seqs,
+        self._check(client, self.waiting.seqs + num_seqs, self.max_waiting_seqs,
                     self.waiting.tokens + num_tokens, self.max_waiting_tokens, "the server")
-        self._check(mine.seqs + num_seqs, self.client_max_seqs, mine.tokens + num_tokens,
-                    self.client_max_tokens, "this client")
+        self._check(client, mine.seqs + num_seqs, self.client_max_seqs,
+                    mine.tokens + num_tokens, self.client_max_tokens, "this client")
         ticket = Ticket(client, num_seqs, num_tokens, asyncio.get_running_loop().create_future())
         self._add(client, num_seqs, num_tokens)
         queue = self.queues.get(client)
@@ -240,7 +247,21 @@ class AdmissionController:
             self.in_engine[client] = held + ticket.num_seqs
             ticket.released.set_result(None)
 
-    def _check(self, seqs: int, max_seqs: int, tokens: int, max_tokens: int, who: str) -> None:
+    def refusal_delay(self, client: str) -> float:
+        """How long to hold a 429 before sending it: nothing for a client's first refusal in a
+        while, TARPIT_S when it asks again at once (a client that ignores Retry-After then
+        costs the server a sleeping coroutine per request, not a parse and a response at
+        full speed)."""
+        now = time.monotonic()
+        last = self.refused_at.get(client)
+        self.refused_at[client] = now
+        if len(self.refused_at) > MAX_REMEMBERED_CLIENTS:
+            self.refused_at = {c: t for c, t in self.refused_at.items()
+                               if now - t < REFUSAL_MEMORY_S}
+        return TARPIT_S if last is not None and now - last < REFUSAL_MEMORY_S else 0.0
+
+    def _check(self, client: str, seqs: int, max_seqs: int, tokens: int, max_tokens: int,
+               who: str) -> None:
         if seqs <= max_seqs and tokens <= max_tokens:
             return
         self.num_refused += 1

@@ -173,7 +173,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     metrics.admission = admission
     completion = OpenAIServingCompletion(engine, names, admission)
     chat = OpenAIServingChat(engine, names, admission)
-    sessions = OpenAIServingSessions(engine, names)
+    sessions = OpenAIServingSessions(engine, names, admission)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -307,6 +307,8 @@ class SessionChunk(_SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # Who the session is for admission control (the first chunk's; else the peer address).
+    user: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.logprobs)

@@ -75,7 +75,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         request_id = f"chatcmpl-{random_uuid()}"
-        self.precheck(raw, req.user)
+        await self.precheck(raw, req.user)
 
         def prepare() -> ProcessedRequest:
             try:

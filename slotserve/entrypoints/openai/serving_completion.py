@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = normalize_prompts(req.prompt)
         check_sequence_count(len(prompts), req.n)
-        self.precheck(raw, req.user)
+        await self.precheck(raw, req.user)
         params = req.to_sampling_params(req.max_tokens)
         request_id = f"cmpl-{random_uuid()}"
 

@@ -105,10 +105,23 @@ class OpenAIServing:
     def client_of(raw: Request, user: str | None) -> str:
         return client_key(user, raw.client.host if raw.client is not None else None)
 
-    def precheck(self, raw: Request, user: str | None) -> None:
-        """429 at once, before tokenizing, when the client has no room left at all."""
+    async def precheck(self, raw: Request, user: str | None) -> None:
+        """429 before tokenizing when the client has no room left at all."""
         if self.admission is not None:
-            self.admission.precheck(self.client_of(raw, user))
+            client = self.client_of(raw, user)
+            await self._refusing(client, self.admission.precheck, client)
+
+    async def _refusing(self, client: str, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args); a 429 it raises is held back if the client was refused a moment ago."""
+        assert self.admission is not None
+        try:
+            return fn(*args)
+        except APIError as exc:
+            if exc.status == 429:
+                delay = self.admission.refusal_delay(client)
+                if delay:
+                    await asyncio.sleep(delay)
+            raise
 
     async def admit(self, raw: Request, user: str | None,
                     processed: Sequence[ProcessedRequest]) -> Ticket | None:
@@ -119,7 +132,8 @@ class OpenAIServing:
         seqs = sum(len(p.requests) for p in processed)
         tokens = sum(len(r.prompt_token_ids) + (r.sampling_params.max_tokens or 0)
                      for p in processed for r in p.requests)
-        ticket = self.admission.admit(self.client_of(raw, user), seqs, tokens)
+        client = self.client_of(raw, user)
+        ticket = await self._refusing(client, self.admission.admit, client, seqs, tokens)
         if await until_disconnected(raw, self.admission.wait(ticket)) is None:
             self.admission.finished(ticket)
             raise ClientGone()

@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -35,6 +36,7 @@ from pydantic import ValidationError
 
 from slotserve.core.sessions import kept_output_tokens
 from slotserve.entrypoints.async_llm import StreamingInput
+from slotserve.entrypoints.openai.admission import Ticket, client_key
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
@@ -44,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Chunks accepted but not yet applied; past it a chunk is refused (too_many_chunks).
 MAX_QUEUED_CHUNKS = 64
+# A refused message's error reply must be taken within this (else the client is dropped).
+ERROR_SEND_TIMEOUT_S = 2.0
 # Why the engine ended a session the client had not ended, as session.done tells it.
 END_REASONS = {"abort": "idle_timeout", "length": "length"}
 # Sending to or receiving from a client that has gone raises one of these (Starlette's, or
@@ -55,16 +59,28 @@ class _Gone(Exception):  # noqa: N818 - a condition
     """The client has gone: nothing more can be sent to it."""
 
 
-async def _send(ws: WebSocket, message: dict[str, Any]) -> None:
+async def _send(ws: WebSocket, message: dict[str, Any], timeout: float | None = None) -> None:
+    """Send, or raise _Gone: the client has gone, or (with a timeout) has not read its
+    messages for that long while sending more (a client flooding a session without reading
+    its replies would otherwise block the reader, which could then never see it leave)."""
     try:
-        await ws.send_json(message)
-    except _SOCKET_ERRORS as exc:
+        async with asyncio.timeout(timeout):
+            await ws.send_json(message)
+    except (*_SOCKET_ERRORS, TimeoutError) as exc:
         raise _Gone() from exc
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A validated chunk and its admission ticket (None without admission control)."""
+
+    chunk: StreamingInput
+    ticket: Ticket | None
 
 
 class _SessionState:
     __slots__ = ("num_chunks", "held_tokens", "chunk_prompt_lens", "total_prompt",
-                 "total_completion", "ended", "gone")
+                 "total_completion", "ended", "gone", "client", "tickets")
 
     def __init__(self) -> None:
         self.num_chunks = 0
@@ -79,6 +95,9 @@ class _SessionState:
         self.ended = False
         # The client went away (seen by the reader or by a failed send).
         self.gone = False
+        # Admission control: who the session is for, and each chunk's ticket, in order.
+        self.client = ""
+        self.tickets: list[Ticket] = []
 
 
 class OpenAIServingSessions(OpenAIServing):
@@ -86,7 +105,8 @@ class OpenAIServingSessions(OpenAIServing):
         await ws.accept()
         session_id = f"sess-{random_uuid()}"
         state = _SessionState()
-        inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue(MAX_QUEUED_CHUNKS)
+        state.client = client_key(None, ws.client.host if ws.client is not None else None)
+        inputs: asyncio.Queue[_Queued | None] = asyncio.Queue(MAX_QUEUED_CHUNKS)
         try:
             await _send(ws, {"type": "session.created", "id": session_id,
                              "model": self.served_model_names[0]})
@@ -112,6 +132,9 @@ class OpenAIServingSessions(OpenAIServing):
             reader.cancel()
             writer.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            if self.admission is not None:
+                for ticket in state.tickets:
+                    self.admission.finished(ticket)
             if state.gone:
                 logger.debug("session %s: the client went away", session_id)
 
@@ -119,7 +142,7 @@ class OpenAIServingSessions(OpenAIServing):
         return self.engine.engine.config.scheduler_config.streaming_session_timeout_s
 
     async def _read(self, ws: WebSocket, state: _SessionState,
-                    inputs: asyncio.Queue[StreamingInput | None]) -> str:
+                    inputs: asyncio.Queue[_Queued | None]) -> str:
         """Validate client messages into chunks until the client goes ("gone"), or until the
         idle timeout passes before a first chunk ("idle"; later the engine times the session
         out itself)."""
@@ -141,29 +164,50 @@ class OpenAIServingSessions(OpenAIServing):
                 if state.ended:
                     raise bad_request("the session has ended: no input is taken after 'end'",
                                       None, "session_ended")
-                chunk = await self.engine.run_off_loop(self._parse, text, state)
-                if chunk is not None and inputs.full():
+                parsed = await self.engine.run_off_loop(self._parse, text, state)
+                queued = None if parsed is None else self._admit(state, *parsed)
+                if queued is not None and inputs.full():
                     # Refused rather than waited for: the reader keeps draining the socket,
                     # so a client that floods and leaves is noticed at once.
+                    if queued.ticket is not None and self.admission is not None:
+                        self.admission.finished(queued.ticket)
                     raise bad_request(f"{MAX_QUEUED_CHUNKS} chunks are waiting already: wait "
                                       "for a chunk.done before sending more", None,
                                       "too_many_chunks")
-                if chunk is not None:
+                if queued is not None:
+                    chunk = queued.chunk
                     state.num_chunks += 1
                     state.held_tokens += len(chunk.prompt)
                     state.chunk_prompt_lens.append(len(chunk.prompt))
+                    if queued.ticket is not None:
+                        state.tickets.append(queued.ticket)
             except (APIError, ValidationError, RequestValidationError, ValueError) as exc:
                 err = from_exception(exc)
                 try:
-                    await _send(ws, {"type": "error", **err.body(), "fatal": False})
+                    await _send(ws, {"type": "error", **err.body(), "fatal": False},
+                                ERROR_SEND_TIMEOUT_S)
                 except _Gone:
                     return "gone"
                 continue
-            await inputs.put(chunk)
-            if chunk is None:
+            await inputs.put(queued)
+            if queued is None:
                 state.ended = True
 
-    def _parse(self, raw: str, state: _SessionState) -> StreamingInput | None:
+    def _admit(self, state: _SessionState, chunk: StreamingInput,
+               user: str | None) -> _Queued:
+        """Each chunk is work like a completion's: it goes through admission control (a 429
+        comes back as an error message), counted for the session's client."""
+        if self.admission is None:
+            return _Queued(chunk, None)
+        if state.num_chunks == 0 and user:
+            state.client = client_key(user, None)
+        params = chunk.sampling_params
+        tokens = len(chunk.prompt) + ((params.max_tokens if params else None) or 0)
+        # (No delayed refusal here, unlike HTTP: the reader must keep draining the socket.)
+        return _Queued(chunk, self.admission.admit(state.client, 1, tokens))
+
+    def _parse(self, raw: str, state: _SessionState
+               ) -> tuple[StreamingInput, str | None] | None:
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -188,13 +232,20 @@ class OpenAIServingSessions(OpenAIServing):
         self.engine.processor.process(
             "session-check", prompt, params, resumable=True,
             continuation_of=None if first else state.held_tokens)
-        return StreamingInput(prompt=prompt, sampling_params=params)
+        return StreamingInput(prompt=prompt, sampling_params=params), msg.user
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
-                     inputs: asyncio.Queue[StreamingInput | None]) -> None:
+                     inputs: asyncio.Queue[_Queued | None]) -> None:
+        admission = self.admission
+
         async def chunks() -> AsyncIterator[StreamingInput]:
             while (item := await inputs.get()) is not None:
-                yield item
+                if item.ticket is not None and admission is not None:
+                    await admission.wait(item.ticket)  # its turn, among every client's work
+                yield item.chunk
+
+        def ticket(index: int) -> Ticket | None:
+            return state.tickets[index] if index < len(state.tickets) else None
 
         chunk_index = 0
         chunk_tokens = 0
@@ -203,6 +254,9 @@ class OpenAIServingSessions(OpenAIServing):
             async for out in self.engine.generate(chunks(), request_id=session_id):
                 c = out.outputs[0]
                 chunk_tokens += len(c.token_ids)
+                current = ticket(chunk_index)
+                if current is not None and admission is not None:
+                    admission.started(current)
                 if c.text or c.token_ids:
                     msg: dict[str, Any] = {"type": "delta", "chunk": chunk_index,
                                            "text": c.text, "token_ids": c.token_ids}
@@ -216,6 +270,8 @@ class OpenAIServingSessions(OpenAIServing):
                     message = c.finish_message
                 if c.finish_reason is not None and (c.token_ids or not out.finished
                                                     or chunk_index < state.num_chunks):
+                    if current is not None and admission is not None:
+                        admission.finished(current)
                     await _send(ws, self._chunk_done(state, chunk_index, chunk_tokens,
                                                      c.finish_reason, c.stop_reason))
                     state.held_tokens += kept_output_tokens(chunk_tokens)
