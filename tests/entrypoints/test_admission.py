@@ -89,15 +89,21 @@ def test_bounds_share_and_retry_after() -> None:
             adm.admit("a", 1, 10)  # a's share is 5 sequences
         assert e.value.status == 429 and e.value.code == "too_many_requests"
         assert e.value.headers == {"Retry-After": "1"}  # nothing has started yet
-        others = [adm.admit(c, 1, 10) for c in "bcde"]
+        heavy = adm.admit("b", 5, 100)  # b at its share too: the room (10) is full
+        # A light client (within an equal split among the clients waiting) may overfill the
+        # room, up to twice its size; a heavier one may not.
+        light = [adm.admit("c", 3, 10)]  # 3 <= 10 // 3
         with pytest.raises(APIError, match="the server has too much work"):
-            adm.admit("f", 2, 10)
+            adm.admit("d", 3, 10)  # 3 > 10 // 4
+        light += [adm.admit("d", 2, 10), adm.admit("e", 2, 10)]  # 17 waiting
+        with pytest.raises(APIError, match="the server has too much work"):
+            adm.admit("f", 2, 10)  # 2 > 10 // 6
         # A cancelled or finished request frees its room at once.
         adm.finished(first)
         assert adm.admit("f", 2, 10).state in ("queued", "released")
-        for t in others:
+        for t in (heavy, *light):
             adm.finished(t)
-        assert adm.num_refused == 2
+        assert adm.num_refused == 3
 
     asyncio.run(run())
 

@@ -6,7 +6,9 @@ requests, on sequences (prompts x n) and on tokens (each sequence's prompt plus 
 the work it can still queue); a request that would pass either gets 429 with a Retry-After
 estimated from how fast waiting sequences have been starting. One client may hold at most a
 share of either bound, so its burst is refused before it fills the queue for everyone else;
-a request larger than that share by itself is refused with 400 (it could never fit).
+a request larger than that share by itself is refused with 400 (it could never fit). When
+several heavy clients fill the room, a light one (holding less than an equal split) may still
+overfill it, up to twice the bounds.
 
 Fairness: accepted requests wait here in one queue per client and go to the engine round-robin
 over clients, while the engine holds at most `core_window` sequences that have not started
@@ -112,11 +114,24 @@ class AdmissionController:
     def precheck(self, client: str) -> None:
         """A 429 before any work on the request (tokenizing it) when its client, or the
         server, has no room left even for one more sequence."""
+        self._check_room(client, 1, 0)
+
+    def _check_room(self, client: str, seqs: int, tokens: int) -> None:
+        """The bounds: one client's share of the waiting room; and the room itself, which a
+        client holding less than an equal split among the clients waiting may overfill up to
+        twice (so two heavy clients at their share cannot lock a light one out)."""
         mine = self.by_client.get(client) or _Totals()
-        self._check(client, self.waiting.seqs + 1, self.max_waiting_seqs, self.waiting.tokens,
-                    self.max_waiting_tokens, "the server")
-        self._check(client, mine.seqs + 1, self.client_max_seqs, mine.tokens,
+        self._check(client, mine.seqs + seqs, self.client_max_seqs, mine.tokens + tokens,
                     self.client_max_tokens, "this client")
+        total_seqs, total_tokens = self.waiting.seqs + seqs, self.waiting.tokens + tokens
+        if total_seqs <= self.max_waiting_seqs and total_tokens <= self.max_waiting_tokens:
+            return
+        clients = len(self.by_client) + (client not in self.by_client)
+        light = (mine.seqs + seqs <= self.max_waiting_seqs // clients
+                 and mine.tokens + tokens <= self.max_waiting_tokens // clients)
+        factor = 2 if light else 1
+        self._check(client, total_seqs, factor * self.max_waiting_seqs, total_tokens,
+                    factor * self.max_waiting_tokens, "the server")
 
     def admit(self, client: str, num_seqs: int, num_tokens: int) -> Ticket:
         """Accept a request (queued until `wait` returns) or raise an APIError: 400 for a
@@ -128,11 +143,7 @@ class AdmissionController:
                 f"work (prompt + max_tokens); one client may have at most "
                 f"{self.client_max_seqs} sequences and {self.client_max_tokens} tokens waiting "
                 "on this server: split it", param="n", code="request_too_large")
-        mine = self.by_client.get(client) or _Totals()
-        self._check(client, self.waiting.seqs + num_seqs, self.max_waiting_seqs,
-                    self.waiting.tokens + num_tokens, self.max_waiting_tokens, "the server")
-        self._check(client, mine.seqs + num_seqs, self.client_max_seqs,
-                    mine.tokens + num_tokens, self.client_max_tokens, "this client")
+        self._check_room(client, num_seqs, num_tokens)
         ticket = Ticket(client, num_seqs, num_tokens, asyncio.get_running_loop().create_future())
         self._add(client, num_seqs, num_tokens)
         queue = self.queues.get(client)
