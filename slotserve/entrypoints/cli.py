@@ -161,8 +161,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                           help="an idle session keeps a worker slot that a waiting request "
                                "needs at most this long (default 1)")
     sessions.add_argument("--max-idle-sessions", type=int, default=None,
-                          help="idle sessions that may keep their slot and KV (default: no "
-                               "cap but --max-num-seqs)")
+                          help="idle sessions that may keep their slot and KV (default: half "
+                               "of --max-num-seqs, at least 1)")
     lim = p.add_argument_group("limits (README: Limits)")
     d = ServerLimits()
     lim.add_argument("--max-request-body-bytes", type=int, default=d.max_body_bytes,

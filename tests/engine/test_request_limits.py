@@ -158,3 +158,14 @@ def test_logit_bias_steers_sampling() -> None:
     assert greedy({77: 100.0}) == [77] * 4
     steered = greedy({plain[0]: -100.0})
     assert steered[0] != plain[0]
+
+
+def test_idle_sessions_hold_at_most_half_the_slots_by_default() -> None:
+    from slotserve.engine.args import EngineArgs
+
+    def cap(**kw: Any) -> int | None:
+        config = EngineArgs(**kw).create_engine_config(1024, 200)
+        return config.scheduler_config.max_idle_sessions
+
+    assert cap(max_num_seqs=16) == 8 and cap(max_num_seqs=1) == 1
+    assert cap(max_num_seqs=16, max_idle_sessions=16) == 16

@@ -27,6 +27,7 @@ def two_slots(loop_thread: LoopThread) -> Iterator[str]:
     engine = AsyncLLM.from_engine_args(
         max_num_seqs=2, num_blocks=64, max_model_len=256, device="cpu", dtype="float32",
         check=True, idle_slot_grace_s=GRACE_S, streaming_session_timeout_s=TIMEOUT_S,
+        max_idle_sessions=2,  # (the default, half the slots, would take one at once)
         engine_mode="thread", threads=1)
     server = start_server(loop_thread, build_app(engine, served_model_names=["m"],
                                                  shutdown_engine=False))
