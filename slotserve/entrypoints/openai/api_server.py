@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 # Off unless enabled (--enable-admin-endpoints); they need the admin key, not just any client's.
 ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+# Bodies larger than this are parsed off the event loop.
+OFF_LOOP_BODY_BYTES = 256 * 1024
 
 
 def slotserve_version() -> str:
@@ -130,12 +132,17 @@ async def read_body(raw: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(parts)
 
 
-async def parse_body(raw: Request, model: type[M], limits: ServerLimits) -> M:
+async def parse_body(raw: Request, model: type[M], limits: ServerLimits,
+                     engine: AsyncLLM) -> M:
+    """The body as `model`. A large one is validated on the front's worker threads: a 6 MB
+    list of 800,000 ints takes 60 ms to validate, which the event loop should not wait."""
     body = await read_body(raw, limits.max_body_bytes, limits.timeout_request_read_s)
     if not body.strip():
         raise bad_request("the request body is empty; a JSON object is expected", None,
                           "invalid_json")
     try:
+        if len(body) > OFF_LOOP_BODY_BYTES:
+            return await engine.run_off_loop(model.model_validate_json, body)
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_pydantic_errors(exc.errors()) from exc
@@ -207,17 +214,17 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        req = await parse_body(raw, CompletionRequest, limits)
+        req = await parse_body(raw, CompletionRequest, limits, engine)
         return await completion.create_completion(req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        req = await parse_body(raw, ChatCompletionRequest, limits)
+        req = await parse_body(raw, ChatCompletionRequest, limits, engine)
         return await chat.create_chat_completion(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        req = await parse_body(raw, TokenizeRequest, limits)
+        req = await parse_body(raw, TokenizeRequest, limits, engine)
         completion.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -233,7 +240,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        req = await parse_body(raw, DetokenizeRequest, limits)
+        req = await parse_body(raw, DetokenizeRequest, limits, engine)
         completion.check_model(req.model)
         vocab = engine.processor.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
