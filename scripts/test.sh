@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh) and runs the linter, the type checker (pyproject.toml:
-# strict on core/, check/, engine/) and the whole test suite on the CPU.
+# strict on core/, check/, engine/, worker/, models/, checkpoint/) and the whole test suite on
+# the CPU.
 # One torch thread: tests share a 2-core machine, and torch spinning on 2 threads while
 # another process is busy can run tens of times slower.
 set -euo pipefail

@@ -1,9 +1,11 @@
-"""Fixtures shared across the test folders: the test tokenizer, an engine over the fake runner,
-and tiny random-weight checkpoints (the helpers they use live in tests/helpers.py)."""
+"""Fixtures shared across the test folders: a private checkpoint cache for the session, the
+test tokenizer, an engine over the fake runner, and tiny random-weight checkpoints (the helpers
+they use live in tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +29,20 @@ from tests.helpers import (  # noqa: E402
     build_tokenizer,
     randomize,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What slotserve caches per checkpoint file goes to a folder of this session (unless the
+    caller chose one), so tests never read or fill the user's ~/.cache."""
+    if os.environ.get("SLOTSERVE_CACHE_DIR"):
+        yield
+        return
+    os.environ["SLOTSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("slotserve-cache"))
+    try:
+        yield
+    finally:
+        del os.environ["SLOTSERVE_CACHE_DIR"]
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The scheduler-to-worker messages (DESIGN.md section 2): the contract between the two
     # layers sits beneath both, so the worker reads it without importing the scheduler.
     ("contract", ("slotserve.core.outputs",)),
+    # The model's config record (pure data, no torch) sits beneath the checkpoint readers
+    # that fill it; the model classes and their loader, which consume the readers' named
+    # tensors, sit above them.
+    ("model_config", ("slotserve.models.config",)),
+    ("checkpoint", ("slotserve.checkpoint",)),
     ("models", ("slotserve.models",)),
     ("worker", ("slotserve.worker",)),
     ("core", ("slotserve.core",)),

@@ -76,9 +76,9 @@ class EngineArgs:
 
     def model_path(self) -> str:
         path = os.path.expanduser(self.model)
-        if not os.path.isdir(path):
-            raise ModelLoadError(f"model folder {path!r} does not exist (slotserve loads "
-                                 "Hugging Face checkpoints from a local directory)")
+        if not os.path.exists(path):
+            raise ModelLoadError(f"model path {path!r} does not exist (slotserve loads a local "
+                                 "Hugging Face model folder or a .gguf file)")
         return path
 
     def max_model_len_bound(self, max_position_embeddings: int) -> int:

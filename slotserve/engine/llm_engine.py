@@ -7,6 +7,7 @@ timestamps) -> RequestOutputs. Not thread-safe: one thread, or one event loop, c
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -56,9 +57,22 @@ class LLMEngine:
         elif kwargs:
             raise TypeError("pass either an EngineArgs or keyword arguments, not both")
         path = engine_args.model_path()
-        model_config = load_model_config(path)
-        tokenizer = load_tokenizer(engine_args.tokenizer or path)
-        return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)
+        tokenizer_path = engine_args.tokenizer or path
+        if mode != "process":
+            model_config = load_model_config(path)
+            tokenizer = load_tokenizer(tokenizer_path)
+            return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)
+        # The front loads its parts on a thread while the child starts the core: each takes
+        # seconds for a large vocabulary (a GGUF file's tokenizer is built from its metadata).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            front = pool.submit(lambda: (load_model_config(path), load_tokenizer(tokenizer_path)))
+            client = make_client(mode, engine_args, threads=threads)
+        try:
+            model_config, tokenizer = front.result()
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client, tokenizer, model_config)
 
     # ----- requests -------------------------------------------------------------------------
 

@@ -1,13 +1,12 @@
-"""The two places where the engine reads a model folder for its front: the model's config and
-its tokenizer. (The core loads the weights through `slotserve.models.loader`.)"""
+"""The two places where the engine reads a model path for its front: the model's config and
+its tokenizer, from a Hugging Face folder or a GGUF file (`slotserve.checkpoint`). (The core
+loads the weights through `slotserve.models.loader`.)"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slotserve.errors import ModelLoadError
+import slotserve.checkpoint as checkpoint
 from slotserve.models.config import ModelConfig
 
 if TYPE_CHECKING:  # transformers takes a while to import; the front loads it on first use
@@ -15,27 +14,11 @@ if TYPE_CHECKING:  # transformers takes a while to import; the front loads it on
 
 
 def load_model_config(path: str) -> ModelConfig:
-    return ModelConfig.from_pretrained(path)
+    return checkpoint.resolve_checkpoint(path).config
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The folder's tokenizer. A plain tokenizer.json tokenizer is loaded directly: going
-    through AutoTokenizer costs seconds of imports that `slotserve generate` would pay."""
-    import transformers
-
-    try:
-        folder = Path(path)
-        config_file = folder / "tokenizer_config.json"
-        if (folder / "tokenizer.json").is_file() and config_file.is_file():
-            declared = json.loads(config_file.read_text()).get("tokenizer_class")
-            if declared in (None, "PreTrainedTokenizerFast"):
-                tokenizer: PreTrainedTokenizerBase = (
-                    transformers.PreTrainedTokenizerFast.from_pretrained(path))
-                return tokenizer
-        auto: PreTrainedTokenizerBase = transformers.AutoTokenizer.from_pretrained(path)
-        return auto
-    except Exception as exc:  # transformers raises many types for a bad folder
-        raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from exc
+    return checkpoint.load_tokenizer(path)
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -51,6 +51,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # Per-frequency divisors of the inverse frequencies: how llama.cpp stores Llama 3.1's
+    # scaling in a GGUF file (its `rope_freqs` tensor) instead of the parameters above.
+    freq_factors: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -214,6 +217,7 @@ def _rope(raw: dict[str, Any], source: str, layer_type: str = FULL_ATTENTION,
         raise ModelLoadError(f"{source}: unsupported rope_type {rope_type!r}; supported: "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     orig = params.get("original_max_position_embeddings")
+    factors = raw.get("rope_freq_factors")
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -221,6 +225,7 @@ def _rope(raw: dict[str, Any], source: str, layer_type: str = FULL_ATTENTION,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
+        freq_factors=[float(f) for f in factors] if factors is not None else None,
     )
 
 

@@ -10,10 +10,10 @@ What differs from Llama, each as transformers computes it:
 - GeGLU with the tanh GELU; the embedding multiplied by sqrt(hidden_size) rounded to the
   model dtype; tied embeddings.
 
-The norm parameters hold the scale itself, 1 + w, in float32 whatever the model dtype: that is
-how llama.cpp's GGUF files store them (the +1 already added), and `checkpoint_tensor` adds it
-to a Hugging Face tensor after rounding w to the model dtype, so the product is bit for bit
-transformers' `norm(x.float()) * (1.0 + w.float())` in bfloat16 too.
+The norm parameters hold the scale itself, 1 + w, in float32 whatever the model dtype:
+`checkpoint_tensor` adds the 1 to a checkpoint's w after rounding w to the model dtype, so the
+product is bit for bit transformers' `norm(x.float()) * (1.0 + w.float())` in bfloat16 too.
+(GGUF files store 1 + w; their reader delivers w, as transformers' GGUF loader does.)
 """
 
 from __future__ import annotations

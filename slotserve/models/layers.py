@@ -2,7 +2,10 @@
 `DecoderForCausalLM`, the skeleton every architecture fills with its own decoder layer.
 
 Parameter names follow the Hugging Face checkpoints, except that q/k/v are fused into
-`qkv_proj` and gate/up into `gate_up_proj` (fewer, larger matmuls; the loader fills the slices).
+`qkv_proj` and gate/up into `gate_up_proj` (fewer, larger matmuls). The model owns that layout:
+`DecoderForCausalLM.packed_modules_mapping` and the fused layers' `weight_loader`
+(models/weight_utils.py) put each checkpoint tensor into its slice, whichever reader
+(safetensors, GGUF) delivered it.
 The numerics follow transformers' implementations op for op (RMSNorm in float32, RoPE tables in
 float32 cast to the model dtype) so that greedy outputs match them token for token.
 """
@@ -10,7 +13,8 @@ float32 cast to the model dtype) so that greedy outputs match them token for tok
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +27,12 @@ from slotserve.models.attention import (
     paged_attention,
 )
 from slotserve.models.config import ModelConfig, RopeConfig
+from slotserve.models.weight_utils import PackedMapping, ShardedLinear, load_packed_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 KVCaches = list[KVCache]
+# Older exports saved the RoPE buffer; it holds nothing we need.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +70,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
                                      .float() / head_dim))
+    if rope.freq_factors is not None:
+        return inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type != "llama3":
@@ -115,8 +124,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = cfg.attention_scale
         self.window = cfg.layer_window(layer)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
+        self.qkv_proj = ShardedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size,
+                                                         "v": self.kv_size},
+                                      bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -150,8 +160,9 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
-                                      bias=cfg.mlp_bias)
+        self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: cfg.intermediate_size,
+                                                            1: cfg.intermediate_size},
+                                          bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,12 +191,23 @@ class DecoderForCausalLM(nn.Module):
     """
 
     norm_cls: type[RMSNorm] = RMSNorm
+    # checkpoint module -> (our fused module, shard id)
+    packed_modules_mapping: PackedMapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        # The weights come from the checkpoint: `_weight` skips the random init, whose first
+        # normal_ on the meta device costs 0.7 s of lazy imports at every start.
         self.model = DecoderModel(
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)),
             [self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers)],
             self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps))
         if not cfg.tie_word_embeddings:
@@ -213,6 +235,17 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """HF checkpoint tensor `name` as this model's parameter holds it (here: as is)."""
         return tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Fill every parameter from Hugging Face-named checkpoint tensors."""
+        tied = self.config.tie_word_embeddings
+
+        def skip(name: str) -> bool:
+            # Some tied checkpoints store lm_head too; the embedding is the one we use.
+            return bool(_IGNORED.match(name)) or (tied and name == "lm_head.weight")
+
+        load_packed_weights(self, weights, source=source, skip=skip,
+                            transform=self.checkpoint_tensor)
 
     def init_rope(self, max_positions: int) -> None:
         """Precompute cos/sin for every position: a step only indexes them."""

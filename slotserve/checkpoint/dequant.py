@@ -1,0 +1,42 @@
+"""The one step between a checkpoint tensor and a model parameter: GGUF data is dequantized
+to the compute dtype (with `gguf`'s own numpy kernels, except Q8_0, below); torch tensors are
+only cast.
+
+Keeping this a single function is deliberate: keeping weights quantized in memory replaces
+this step for the tensors a quantized kernel can run, and nothing else.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from slotserve.checkpoint.gguf_file import GGUFTensor
+
+CheckpointTensor = torch.Tensor | GGUFTensor
+
+
+def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Q8_0 (blocks of a float16 scale and 32 int8 values) in torch: bit-identical to gguf's
+    numpy kernel and 5x faster, which matters because large-vocabulary files keep their
+    embedding in Q8_0 (72% of the Gemma 3 270M file)."""
+    with warnings.catch_warnings():  # the file map is read-only, and only read here
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        blocks = torch.from_numpy(np.ascontiguousarray(data)).view(-1, 34)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(scale).view(shape)
+
+
+def materialize(tensor: CheckpointTensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.to(dtype)
+    if tensor.ggml_type == GGMLQuantizationType.Q8_0:
+        return _q8_0(tensor.data, tensor.shape).to(dtype)
+    values = dequantize(tensor.data, tensor.ggml_type).reshape(tensor.shape)
+    if not values.flags.writeable:  # an F32 tensor is a view of the read-only file map
+        values = np.array(values)
+    return torch.from_numpy(values).to(dtype)
