@@ -67,8 +67,12 @@ class TraceRecorder:
 
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
                now: float | None = None) -> None:
-        self._write({"event": "update", "step": self._step_of.pop(id(out)),
-                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids, "now": now})
+        record: dict[str, Any] = {"event": "update", "step": self._step_of.pop(id(out)),
+                                  "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids,
+                                  "now": now}
+        if mro.failed:
+            record["failed"] = mro.failed
+        self._write(record)
 
     def close(self) -> None:
         self._f.close()
@@ -90,8 +94,11 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 continue
             assert scheduler is not None, "a trace starts with its config"
             if kind == "add":
+                params = e["params"]
+                if params.get("logit_bias"):  # JSON object keys are strings
+                    params["logit_bias"] = {int(t): v for t, v in params["logit_bias"].items()}
                 scheduler.add_request(Request(
-                    e["id"], e["prompt"], SamplingParams(**e["params"]), eos_token_id=e["eos"],
+                    e["id"], e["prompt"], SamplingParams(**params), eos_token_id=e["eos"],
                     priority=e["priority"], arrival_time=e["arrival_time"],
                     resumable=e["resumable"], cache_salt=e["cache_salt"]))
             elif kind == "finish":
@@ -108,7 +115,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 ids = e["req_ids"]
                 scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
                     req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=e["sampled"]), now=e.get("now"))
+                    sampled_token_ids=e["sampled"], failed=e.get("failed")), now=e.get("now"))
     assert scheduler is not None, "empty trace"
     return scheduler, ordered
 

@@ -52,6 +52,12 @@ class EngineCore:
         # core), and the forward passes' share (benchmarks/offline_throughput.py).
         self.num_steps = 0
         self.busy_s = self.busy_cpu_s = self.total_forward_s = 0.0
+        # Requests the worker failed alone (the rest of their steps ran).
+        self.num_failed_requests = 0
+        # The last step scheduled nothing and produced nothing (requests wait for a slot an
+        # idle session keeps within its grace period): the loop waits a little instead of
+        # spinning.
+        self.stalled = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -114,7 +120,9 @@ class EngineCore:
         s = self.scheduler.make_stats()
         return EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
                            s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_preemptions, num_failed_steps=self.num_failed_steps,
+                           s.num_preemptions, s.num_slots_held, s.num_idle_slots_reclaimed,
+                           num_failed_steps=self.num_failed_steps,
+                           num_failed_requests=self.num_failed_requests,
                            num_steps=self.num_steps, busy_s=self.busy_s,
                            busy_cpu_s=self.busy_cpu_s)
 
@@ -124,6 +132,7 @@ class EngineCore:
         # With only idle sessions a step still runs: schedule() is where they time out, so a
         # loop ticks step() now and then while sessions are idle.
         if not self.scheduler.has_requests() and not self.has_idle_sessions():
+            self.stalled = False
             return EngineCoreOutputs()
         cpu_start, schedule_time = time.thread_time(), time.monotonic()
         try:
@@ -135,6 +144,7 @@ class EngineCore:
 
     def _step(self, schedule_time: float) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule(now=schedule_time)
+        self.stalled = False
         if self.trace is not None:
             self.trace.schedule(scheduler_output, schedule_time)
         if self.checker is not None:
@@ -152,6 +162,9 @@ class EngineCore:
         if self.trace is not None:
             self.trace.update(scheduler_output, model_output, now)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+        if model_output.failed:
+            self.num_failed_requests += len(model_output.failed)
+        self.stalled = not scheduler_output.total_num_scheduled_tokens and not outputs
         # Drained means nothing at all: idle sessions still hold KV and a slot.
         if (self.checker is not None and not self.scheduler.requests
                 and not self.scheduler.has_requests()):

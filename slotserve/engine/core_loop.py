@@ -9,7 +9,8 @@ One state machine:
 
 While RUNNING it applies the queued requests, then steps; it blocks for input only while the
 core is idle (ticking once a second while sessions are idle: schedule() is where they time
-out), so a busy core steps back to back. Whatever it produces (output batches, utility
+out) or stalled (a step that did nothing: requests wait for a slot that an idle session keeps
+within its grace period; it ticks every STALL_TICK_S then), so a busy core steps back to back. Whatever it produces (output batches, utility
 results, EngineDead) goes to one `send` callable: the client's inbox on a thread, or the pipe
 in a child process. Once it leaves RUNNING, utility calls still queued fail with
 EngineDeadError.
@@ -41,6 +42,8 @@ from slotserve.errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 SESSION_TICK_S = 1.0
+# How often a stalled core looks again: the resolution of the idle-slot grace period.
+STALL_TICK_S = 0.05
 
 
 class LoopState(enum.Enum):
@@ -71,7 +74,9 @@ class EngineCoreLoop:
         core = self.core
         while self.state is LoopState.RUNNING:
             ticking = core.has_idle_sessions()
-            item = _next(self.inputs, not core.has_requests(), SESSION_TICK_S if ticking else None)
+            stalled = core.stalled and core.has_requests()
+            item = _next(self.inputs, stalled or not core.has_requests(),
+                         STALL_TICK_S if stalled else SESSION_TICK_S if ticking else None)
             while item is not None and self.state is LoopState.RUNNING:
                 self._apply(*item)
                 item = _next(self.inputs)

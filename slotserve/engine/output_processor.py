@@ -71,6 +71,8 @@ class RequestGroup:
     queued: deque[ProcessedRequest | None] = field(default_factory=deque)
     # Tokens the session holds in the engine once the current chunk is folded in.
     session_num_tokens: int = 0
+    # The session's end was asked for: nothing more is taken (LLMEngine refuses it).
+    ended: bool = False
 
 
 def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
@@ -131,6 +133,8 @@ class OutputProcessor:
             return
         # The next chunk of a session, or (non-resumable) the end-of-session mark.
         item = processed if processed.resumable else None
+        if item is None:
+            group.ended = True
         if group.idle:
             self._resume(group, item)
         else:

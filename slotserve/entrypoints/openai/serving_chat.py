@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
-from slotserve.engine.processor import ProcessedRequest, apply_chat_template
+from slotserve.engine.processor import ProcessedRequest, Processor
 from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
@@ -36,10 +36,11 @@ from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                continue_final_message: bool = False,
+def render_chat(processor: Processor, messages: list[ChatMessage], *,
+                add_generation_prompt: bool, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Messages -> prompt token ids through the tokenizer's chat template."""
+    """Messages -> prompt token ids through the tokenizer's chat template (call it off the
+    event loop: templating and tokenization take time)."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
@@ -47,9 +48,9 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
                           "final assistant message", "continue_final_message")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        prompt = apply_chat_template(tokenizer, conversation, add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     template_kwargs=template_kwargs)
+        prompt = processor.render_chat(conversation, add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       template_kwargs=template_kwargs)
     except RequestValidationError as exc:
         raise bad_request(exc.message, exc.param) from exc
     return prompt["prompt_token_ids"]
@@ -63,6 +64,8 @@ def _chat_param_names(req: ChatCompletionRequest,
         err.param = "top_logprobs"
     elif err.param == "max_tokens" and req.max_completion_tokens is not None:
         err.param = "max_completion_tokens"
+    elif err.param == "prompt":  # the prompt is the rendered messages
+        err.param = "messages"
     return err
 
 
@@ -72,17 +75,26 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         request_id = f"chatcmpl-{random_uuid()}"
-        try:
-            params = req.to_sampling_params(req.requested_max_tokens())
-            prompt_ids = render_chat(self.engine.tokenizer, req.messages,
-                                     add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message,
-                                     template_kwargs=req.chat_template_kwargs)
-            processed = self.prepare(prompt_ids, params, request_id, req.priority)
-        except (RequestValidationError, APIError) as exc:
-            raise _chat_param_names(req, exc) from exc
+        await self.precheck(raw, req.user)
+
+        def prepare() -> ProcessedRequest:
+            try:
+                params = req.to_sampling_params(req.requested_max_tokens())
+                prompt_ids = render_chat(self.engine.processor, req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         template_kwargs=req.chat_template_kwargs)
+                return self.prepare(prompt_ids, params, request_id, req.priority)
+            except (RequestValidationError, APIError) as exc:
+                raise _chat_param_names(req, exc) from exc
+
+        # Templating and tokenization happen off the event loop; then the request waits
+        # for its turn.
+        processed = await self.engine.run_off_loop(prepare)
+        ticket = await self.admit(raw, req.user, [processed])
         outputs = merge_generators([self.engine.generate(processed)])
-        return await self.respond(raw, req, processed, request_id, model, outputs)
+        return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
+                                           outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int) -> ChatChoiceLogProbs:

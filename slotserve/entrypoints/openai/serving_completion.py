@@ -23,6 +23,7 @@ from slotserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Outputs,
     check_prompt_count,
+    check_sequence_count,
     merge_generators,
     sse,
 )
@@ -52,12 +53,21 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = normalize_prompts(req.prompt)
+        check_sequence_count(len(prompts), req.n)
+        await self.precheck(raw, req.user)
         params = req.to_sampling_params(req.max_tokens)
         request_id = f"cmpl-{random_uuid()}"
-        processed = [self.prepare(p, params, f"{request_id}-{i}", req.priority)
-                     for i, p in enumerate(prompts)]
+
+        def prepare_all() -> list[ProcessedRequest]:
+            return [self.prepare(p, params, f"{request_id}-{i}", req.priority)
+                    for i, p in enumerate(prompts)]
+
+        # Tokenization happens off the event loop; then the request waits for its turn.
+        processed = await self.engine.run_off_loop(prepare_all)
+        ticket = await self.admit(raw, req.user, processed)
         outputs = merge_generators([self.engine.generate(p) for p in processed])
-        return await self.respond(raw, req, processed, request_id, model, outputs)
+        return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
+                                           outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int, text_offset: int) -> CompletionLogProbs:
