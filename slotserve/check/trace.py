@@ -75,8 +75,12 @@ class TraceRecorder:
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
                now: float | None = None) -> None:
         self._last_update = self._step_of.pop(id(out))
-        self._write({"event": "update", "step": self._last_update,
-                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids, "now": now})
+        record: dict[str, Any] = {"event": "update", "step": self._last_update,
+                                  "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids,
+                                  "now": now}
+        if mro.failed:
+            record["failed"] = mro.failed
+        self._write(record)
 
     def grammar_outcomes(self, completed: list[str], failed: dict[str, str]) -> None:
         """What the grammars did with the last update's tokens (a replay has no grammar
@@ -107,9 +111,11 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
         assert scheduler is not None, "a trace starts with its config"
         if kind == "add":
             params = e["params"]
+            if params.get("logit_bias"):  # JSON object keys are strings
+                params["logit_bias"] = {int(t): v for t, v in params["logit_bias"].items()}
             if params.get("structured_outputs") is not None:
-                params = {**params, "structured_outputs": StructuredOutputsParams(
-                    **params["structured_outputs"])}
+                params["structured_outputs"] = StructuredOutputsParams(
+                    **params["structured_outputs"])
             sor = (StructuredOutputRequest(ReplayGrammar()) if e.get("grammar")
                    else None)
             scheduler.add_request(Request(
@@ -134,7 +140,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
             ids = e["req_ids"]
             scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
                 req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=e["sampled"]), now=e.get("now"))
+                sampled_token_ids=e["sampled"], failed=e.get("failed")), now=e.get("now"))
     assert scheduler is not None, "empty trace"
     return scheduler, ordered
 

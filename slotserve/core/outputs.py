@@ -88,6 +88,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request index: one LogprobsEntry per sampled token, or None when not requested.
     logprobs: list[list[LogprobsEntry] | None] | None = None
+    # Requests of this step the worker could not run (it isolated the failure to them: the
+    # rest of the batch ran normally), with what went wrong. The scheduler ends them with an
+    # error; they are not among req_ids.
+    failed: dict[str, str] | None = None
 
 
 @dataclass(slots=True)

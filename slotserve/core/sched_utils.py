@@ -24,8 +24,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         if last == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        stop_ids = params.stop_token_ids
-        if stop_ids and last in stop_ids:
+        # A set: O(1) per token however many stop ids the request carries.
+        if last in params.stop_token_set:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True

@@ -87,6 +87,12 @@ class EngineCore:
         # core), and the forward passes' share (benchmarks/offline_throughput.py).
         self.num_steps = 0
         self.busy_s = self.busy_cpu_s = self.total_forward_s = 0.0
+        # Requests the worker failed alone (the rest of their steps ran).
+        self.num_failed_requests = 0
+        # The last step scheduled nothing and produced nothing (requests wait for a slot an
+        # idle session keeps within its grace period): the loop waits a little instead of
+        # spinning.
+        self.stalled = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -255,7 +261,9 @@ class EngineCore:
         s = self.scheduler.make_stats()
         stats = EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
                             s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                            s.num_preemptions, num_failed_steps=self.num_failed_steps,
+                            s.num_preemptions, s.num_slots_held, s.num_idle_slots_reclaimed,
+                            num_failed_steps=self.num_failed_steps,
+                            num_failed_requests=self.num_failed_requests,
                             num_steps=self.num_steps, busy_s=self.busy_s,
                             busy_cpu_s=self.busy_cpu_s,
                             num_waiting_for_grammar=len(self.waiting_for_grammar))
@@ -275,6 +283,7 @@ class EngineCore:
         # With only idle sessions a step still runs: schedule() is where they time out, so a
         # loop ticks step() now and then while sessions are idle.
         if not self.scheduler.has_requests() and not self.has_idle_sessions():
+            self.stalled = False
             now = time.monotonic()
             return EngineCoreOutputs(rejected, now, now) if rejected else EngineCoreOutputs()
         cpu_start, schedule_time = time.thread_time(), time.monotonic()
@@ -290,6 +299,7 @@ class EngineCore:
 
     def _step(self, schedule_time: float) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule(now=schedule_time)
+        self.stalled = False
         if self.trace is not None:
             self.trace.schedule(scheduler_output, schedule_time)
         if self.checker is not None:
@@ -325,6 +335,9 @@ class EngineCore:
                 [rid for rid, sor in grammars.items() if sor.grammar.is_terminated()],
                 {rid: sor.grammar.error for rid, sor in grammars.items()
                  if sor.grammar.error is not None})
+        if model_output.failed:
+            self.num_failed_requests += len(model_output.failed)
+        self.stalled = not scheduler_output.total_num_scheduled_tokens and not outputs
         # Drained means nothing at all: idle sessions still hold KV and a slot.
         if (self.checker is not None and not self.scheduler.requests
                 and not self.scheduler.has_requests()):

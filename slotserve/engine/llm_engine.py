@@ -53,8 +53,10 @@ class LLMEngine:
         # Decided by the core at startup: the front validates against the same limits.
         self.config = engine_core.config
         self.max_model_len = self.config.max_model_len
-        self.processor = Processor(tokenizer, self.max_model_len, model_config.vocab_size,
-                                   eos_token_ids(model_config, tokenizer))
+        self.processor = Processor(
+            tokenizer, self.max_model_len, model_config.vocab_size,
+            eos_token_ids(model_config, tokenizer),
+            priority_policy=self.config.scheduler_config.policy == "priority")
         self.output_processor = OutputProcessor(make_decode_fn(tokenizer))
         # The last failure inside the model's forward pass (its requests ended "error").
         self.last_error: BaseException | None = None
@@ -101,6 +103,10 @@ class LLMEngine:
             if not existing.resumable:
                 raise RequestValidationError(f"request id {request_id!r} is already in use",
                                              "request_id")
+            if existing.ended:
+                raise RequestValidationError(
+                    f"session {request_id!r} has ended: no input is taken after its end",
+                    "request_id")
             session = existing.session_num_tokens
             check_session_chunk(existing.structured_outputs, params)
         return self.processor.process(
@@ -126,6 +132,9 @@ class LLMEngine:
     ) -> None:
         session = self.output_processor.get_session(request_id)
         if session is not None and not resumable:
+            if session.ended:
+                raise RequestValidationError(f"session {request_id!r} has already ended",
+                                             "request_id")
             self._end_session(request_id, priority)
             return
         self.add_processed_request(self.process_request(

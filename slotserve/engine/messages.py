@@ -78,6 +78,8 @@ class EngineStats(SchedulerStats):
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_failed_steps: int = 0
+    # Requests the worker failed alone, the rest of their step running normally.
+    num_failed_requests: int = 0
     # How busy the front keeps the core: steps run, and wall / CPU seconds inside them.
     num_steps: int = 0
     busy_s: float = 0.0

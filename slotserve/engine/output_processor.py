@@ -76,6 +76,8 @@ class RequestGroup:
     session_num_tokens: int = 0
     # The constraint of the request (a session's: its first chunk's, for all chunks).
     structured_outputs: StructuredOutputsParams | None = None
+    # The session's end was asked for: nothing more is taken (LLMEngine refuses it).
+    ended: bool = False
 
 
 def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
@@ -137,6 +139,8 @@ class OutputProcessor:
             return
         # The next chunk of a session, or (non-resumable) the end-of-session mark.
         item = processed if processed.resumable else None
+        if item is None:
+            group.ended = True
         if group.idle:
             self._resume(group, item)
         else:

@@ -2,8 +2,8 @@
 
 Order of operations (per row): the grammar's token bitmask (structured outputs: disallowed
 tokens get -inf, so every mode below, logprobs included, sees only allowed tokens); raw
-log-softmax for logprobs; min_tokens masking; repetition
-penalty (HF semantics, over prompt + output), frequency and presence penalties (over output);
+log-softmax for logprobs; logit_bias; min_tokens masking; repetition penalty (HF semantics,
+over prompt + output), frequency and presence penalties (over output);
 greedy rows take the argmax here; the others go through temperature, min-p, top-k, top-p and an
 exponential-race draw (argmax of probs / Exp(1) noise, which samples from probs exactly).
 
@@ -52,6 +52,10 @@ class SamplingMetadata:
     # min_tokens: (row, token id) pairs to mask to -inf.
     masked_rows: torch.Tensor | None = None
     masked_tokens: torch.Tensor | None = None
+    # logit_bias: (row, token id, value) triples added to the logits.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     # The largest logprobs count asked for by any row (None: no row wants logprobs).
     max_num_logprobs: int | None = None
     # Structured outputs: the rows under a grammar [M] int64 (None: every row) and their
@@ -169,6 +173,10 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        if (meta.bias_rows is not None and meta.bias_tokens is not None
+                and meta.bias_values is not None):
+            logits = logits.index_put((meta.bias_rows, meta.bias_tokens), meta.bias_values,
+                                      accumulate=True)
         if meta.masked_rows is not None and meta.masked_tokens is not None:
             logits = logits.index_put((meta.masked_rows, meta.masked_tokens),
                                       torch.tensor(float("-inf"), device=logits.device))

@@ -3,7 +3,9 @@
 The events are the shared vocabulary of slotserve.check.events (the exhaustive explorer uses
 the same ones): random arrivals with shared prefixes and priorities, aborts, streaming-session
 chunks (empty ones included) and ends, prefix-cache resets (with and without running
-requests), KV pressure that forces preemption, pipelined steps, failed model steps, idle
+requests), KV pressure that forces preemption, pipelined steps, failed model steps and steps
+whose failure the worker isolated to one request, idle
+sessions giving up their slot past the grace period or over the cap of idle sessions, idle
 sessions timing out, and model outputs with random stops; some requests are under a grammar
 (complete after a few tokens, failing on one token), which the checker holds to exactly the
 tokens each request kept. Every output is applied to the
@@ -26,6 +28,7 @@ from slotserve.check.events import (
     Arrive,
     Chunk,
     EndSession,
+    FailRequest,
     FailStep,
     Reset,
     Schedule,
@@ -51,9 +54,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 3]),
+        max_idle=st.sampled_from([None, None, 0, 1]),
     )
     def setup(self, max_num_seqs: int, num_blocks: int, block_size: int, budget: int,
-              policy: str, chunked: bool, caching: bool, threshold: int) -> None:
+              policy: str, chunked: bool, caching: bool, threshold: int,
+              max_idle: int | None) -> None:
         max_model_len = 48
         if not chunked:
             budget = max(budget, max_model_len)
@@ -61,7 +66,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
-            long_prefill_token_threshold=threshold, streaming_session_timeout_s=30.0))
+            long_prefill_token_threshold=threshold, streaming_session_timeout_s=30.0,
+            idle_slot_grace_s=5.0, max_idle_sessions=max_idle))
 
     def _answer(self, data: st.DataObject) -> None:
         # One or two tokens per request whose prefill completed when it was scheduled.
@@ -85,7 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.h.open_sessions))
     @rule(data=st.data(), chunk=st.lists(st.integers(40, 60), max_size=6),
-          end=st.booleans(), max_tokens=st.integers(1, 5))
+          end=st.sampled_from([False, False, True]), max_tokens=st.integers(1, 5))
     def session_chunk(self, data: st.DataObject, chunk: list[int], end: bool,
                       max_tokens: int) -> None:
         k = data.draw(st.integers(0, len(self.h.open_sessions) - 1), label="session")
@@ -118,6 +124,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     def failed_step(self) -> None:
         self.h.apply(Schedule())
         self.h.apply(FailStep())
+
+    @rule(data=st.data())
+    def failed_request(self, data: st.DataObject) -> None:
+        # The worker isolates a failure to one request of the step; the others go on.
+        self.h.apply(Schedule())
+        n = len(self.h.in_flight[0][0].num_scheduled_tokens)
+        if n:
+            self.h.apply(FailRequest(data.draw(st.integers(0, n - 1), label="failed request")))
+        else:
+            self._answer(data)
+
+    @precondition(lambda self: bool(self.h.sched.sessions.idle))
+    @rule(newcomer=st.booleans())
+    def idle_past_grace(self, newcomer: bool) -> None:
+        # Idle sessions may now lose their slot to a waiting request (one arriving now, when
+        # newcomer: the case the grace period is for, made likelier than chance makes it).
+        if newcomer:
+            self.h.apply(Arrive(tuple(PREFIXES[2]), 2))
+        self.h.apply(Tick(self.h.sched.scheduler_config.idle_slot_grace_s + 1.0))
 
     @precondition(lambda self: bool(self.h.sched.sessions.idle))
     @rule()

@@ -21,7 +21,8 @@ from slotserve.entrypoints.openai.protocol_structured import (
     ToolCall,
     ToolChoice,
 )
-from slotserve.sampling_params import SamplingParams
+from slotserve.errors import RequestValidationError
+from slotserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 def random_uuid() -> str:
@@ -58,6 +59,8 @@ class _SamplingFields(OpenAIBaseModel):
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's: token id (a JSON object key, so a string) -> bias added to its logit.
+    logit_bias: dict[str, float] | None = None
     # Structured outputs (vLLM's extra field; OpenAI's response_format is on the requests).
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -82,9 +85,22 @@ class _SamplingFields(OpenAIBaseModel):
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_token_keys(self.logit_bias),
             structured_outputs=(self.structured_outputs.to_params()
                                 if self.structured_outputs is not None else None),
         )
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:  # before converting a huge map
+        raise RequestValidationError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got "
+                                     f"{len(bias)}", "logit_bias")
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise RequestValidationError("logit_bias keys must be token ids", "logit_bias") from None
 
 
 # ---------------------------------------------------------------------------- completions
@@ -312,6 +328,8 @@ class SessionChunk(_SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # Who the session is for admission control (the first chunk's; else the peer address).
+    user: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.logprobs)

@@ -10,8 +10,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
-from slotserve.engine.processor import ProcessedRequest, apply_chat_template
+from slotserve.engine.processor import ProcessedRequest, Processor
 from slotserve.entrypoints.async_llm import AsyncLLM
+from slotserve.entrypoints.openai.admission import AdmissionController
 from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
@@ -74,11 +75,12 @@ def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
     return message
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                continue_final_message: bool = False,
+def render_chat(processor: Processor, messages: list[ChatMessage], *,
+                add_generation_prompt: bool, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Messages -> prompt token ids through the tokenizer's chat template."""
+    """Messages -> prompt token ids through the tokenizer's chat template (call it off the
+    event loop: templating and tokenization take time); `tools` go to the template too."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
@@ -88,9 +90,9 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_p
     if tools:
         template_kwargs = {**(template_kwargs or {}), "tools": tools}
     try:
-        prompt = apply_chat_template(tokenizer, conversation, add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     template_kwargs=template_kwargs)
+        prompt = processor.render_chat(conversation, add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       template_kwargs=template_kwargs)
     except RequestValidationError as exc:
         raise bad_request(exc.message, exc.param) from exc
     return prompt["prompt_token_ids"]
@@ -104,13 +106,16 @@ def _chat_param_names(req: ChatCompletionRequest,
         err.param = "top_logprobs"
     elif err.param == "max_tokens" and req.max_completion_tokens is not None:
         err.param = "max_completion_tokens"
+    elif err.param == "prompt":  # the prompt is the rendered messages
+        err.param = "messages"
     return err
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 admission: AdmissionController | None = None,
                  tool_call_parser: str | None = None) -> None:
-        super().__init__(engine, served_model_names)
+        super().__init__(engine, served_model_names, admission)
         # How this model writes tool calls: the flag's format, else its chat template's.
         tokenizer = engine.tokenizer
         self.tool_format = detect_format(getattr(tokenizer, "chat_template", None),
@@ -121,29 +126,42 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         request_id = f"chatcmpl-{random_uuid()}"
-        tools = tool_context(req.tools, req.tool_choice, req.parallel_tool_calls,
-                             self.tool_format)
-        constraint = response_constraint(req.response_format, req.structured_outputs)
-        if tools is not None and tools.constraint is not None:
-            if constraint is not None:
-                raise bad_request("response_format and structured_outputs cannot be combined "
-                                  "with tool calls (tool_choice 'auto', 'required' or a "
-                                  "function)", "response_format")
-            constraint = tools.constraint
-        try:
-            params = req.to_sampling_params(req.requested_max_tokens())
-            if constraint is not None:
-                params = params.clone(structured_outputs=constraint)
-            prompt_ids = render_chat(self.engine.tokenizer, req.messages,
-                                     add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message,
-                                     template_kwargs=req.chat_template_kwargs,
-                                     tools=tools.template_tools if tools else None)
-            processed = await self.prepare_async(prompt_ids, params, request_id, req.priority)
-        except (RequestValidationError, APIError) as exc:
-            raise rename_param(_chat_param_names(req, exc), req.response_format) from exc
+        await self.precheck(raw, req.user)
+        tools: ToolContext | None = None
+
+        def prepare() -> ProcessedRequest:
+            nonlocal tools
+            try:
+                # Tools and constraints are checked here too, off the event loop: checking a
+                # large schema takes a while.
+                tools = tool_context(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                     self.tool_format)
+                constraint = response_constraint(req.response_format, req.structured_outputs)
+                if tools is not None and tools.constraint is not None:
+                    if constraint is not None:
+                        raise bad_request("response_format and structured_outputs cannot be "
+                                          "combined with tool calls (tool_choice 'auto', "
+                                          "'required' or a function)", "response_format")
+                    constraint = tools.constraint
+                params = req.to_sampling_params(req.requested_max_tokens())
+                if constraint is not None:
+                    params = params.clone(structured_outputs=constraint)
+                prompt_ids = render_chat(self.engine.processor, req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         template_kwargs=req.chat_template_kwargs,
+                                         tools=tools.template_tools if tools else None)
+                return self.prepare(prompt_ids, params, request_id, req.priority)
+            except (RequestValidationError, APIError) as exc:
+                raise rename_param(_chat_param_names(req, exc), req.response_format) from exc
+
+        # Templating and tokenization happen off the event loop; then the request waits
+        # for its turn.
+        processed = await self.engine.run_off_loop(prepare)
+        ticket = await self.admit(raw, req.user, [processed])
         outputs = merge_generators([self.engine.generate(processed)])
-        return await self.respond(raw, req, (processed, tools), request_id, model, outputs)
+        return await self.respond_admitted(raw, req, (processed, tools), request_id, model,
+                                           ticket, outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int) -> ChatChoiceLogProbs:
