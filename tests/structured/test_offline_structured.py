@@ -151,3 +151,40 @@ def test_the_sampler_keeps_the_bitmask_in_every_mode() -> None:
             if out.topk_ids is not None and out.topk_logprobs is not None:
                 finite = out.topk_logprobs > float("-inf")
                 assert allowed.gather(1, out.topk_ids)[finite].all()
+
+
+def test_a_failure_isolated_one_by_one_keeps_each_grammar(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails in the worker reruns its requests one at a time (issue 11); each
+    rerun gets only its own request's bitmask row, and the constrained ones come out as in
+    a clean run."""
+    schema = random_schemas(1, seed=5)[0]
+    params = SamplingParams(max_tokens=60, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = ["To be", "or not", "to be:", "that is"]
+    engine = llm.llm_engine
+
+    def run() -> dict[str, Any]:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"iso-{i}", p, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+        return done
+
+    clean = run()
+    runner = engine.engine_core.engine_core.model_runner  # type: ignore[attr-defined]
+    real = runner._execute
+
+    def execute(so: Any, ids: list[str], grammar_output: Any = None) -> Any:
+        if "iso-1" in ids:
+            raise RuntimeError("injected fault tied to one request")
+        return real(so, ids, grammar_output)
+
+    monkeypatch.setattr(runner, "_execute", execute)
+    faulty = run()
+    assert faulty["iso-1"].finish_reason == "error"
+    for rid in ("iso-0", "iso-2", "iso-3"):
+        assert faulty[rid].token_ids == clean[rid].token_ids
+        if faulty[rid].finish_reason == "stop":
+            jsonschema.validate(json.loads(faulty[rid].text), schema)
