@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.errors import RequestValidationError
 
@@ -19,6 +20,10 @@ MAX_INT64 = 2**63 - 1
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS_VALUE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# Generous bounds on what a caller may send as a constraint; a grammar library's own limits
+# (and a compile time limit in the engine) bound the work beyond these.
+MAX_CHOICES = 1024
+MAX_GRAMMAR_CHARS = 1 << 20
 
 
 def _check(cond: bool, message: str, param: str) -> None:
@@ -36,6 +41,54 @@ def _is_num(v: object) -> bool:
 
 def _is_int64(v: object, lo: int = -MAX_INT64 - 1) -> bool:
     return _is_int(v) and lo <= v <= MAX_INT64  # type: ignore[operator]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint every generated token must keep (vLLM's names): exactly one of a JSON
+    schema (`json`, a dict or its JSON text), a regular expression, a list of choices, a
+    grammar (Lark, as llguidance reads it) or `json_object` (any JSON object).
+
+    `disable_any_whitespace` (vLLM's name) is True by default here, unlike vLLM: JSON is
+    written compactly, with no whitespace the schema does not ask for, so a model that writes
+    noise cannot pad a bounded schema with spaces or newlines until max_tokens.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs needs exactly one of json, regex, choice, "
+               f"grammar or json_object, got {given or 'none'}", "structured_outputs")
+        if self.json is not None:
+            _check(isinstance(self.json, str | dict),
+                   "structured_outputs.json must be a JSON schema (an object or its text)",
+                   "structured_outputs.json")
+        if self.regex is not None:
+            _check(isinstance(self.regex, str) and 0 < len(self.regex) <= MAX_GRAMMAR_CHARS,
+                   "structured_outputs.regex must be a non-empty string",
+                   "structured_outputs.regex")
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS,
+                   "structured_outputs.grammar must be a non-empty string",
+                   "structured_outputs.grammar")
+        if self.choice is not None:
+            _check(isinstance(self.choice, list | tuple) and 0 < len(self.choice) <= MAX_CHOICES
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty "
+                   "strings", "structured_outputs.choice")
+            object.__setattr__(self, "choice", list(self.choice))
+        _check(self.json_object in (None, True, False),
+               "structured_outputs.json_object must be a boolean", "structured_outputs.json_object")
+        _check(isinstance(self.disable_any_whitespace, bool),
+               "structured_outputs.disable_any_whitespace must be a boolean",
+               "structured_outputs.disable_any_whitespace")
 
 
 @dataclass(slots=True)
@@ -57,6 +110,8 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
     # token id -> added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
     # `stop` as a list, checked once here; stop_token_ids as a set, so that the per-token stop
@@ -133,6 +188,12 @@ class SamplingParams:
                    f"logit_bias maps token ids to numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, "
                    f"{MAX_LOGIT_BIAS_VALUE:g}]", "logit_bias")
             self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+                   "structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+            # Below min_tokens EOS is held back, but a finished grammar allows nothing else.
+            _check(self.min_tokens == 0, "min_tokens cannot be combined with structured "
+                   "outputs (the grammar decides where the output ends)", "min_tokens")
 
     @property
     def stop_strings(self) -> list[str]:

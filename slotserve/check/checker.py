@@ -14,6 +14,8 @@ InvariantViolation naming the request and the rule the moment they disagree:
 - idle sessions hold slots only within bounds: at most max_idle_sessions of them keep a slot or
   KV, and a step that schedules nothing never leaves a request waiting for a slot while an
   idle session past its grace period holds one;
+- each request's grammar has consumed exactly the output tokens the request kept (a
+  session's: its earlier chunks' kept outputs, then the current chunk's);
 - once everything has finished, no block is in use and no slot is held.
 """
 
@@ -133,6 +135,21 @@ class InvariantChecker:
             self._check_idle_slots(out)
         if self.num_steps % self.full_block_scan_every == 0:
             self.check_blocks()
+        self.check_grammars()
+
+    def check_grammars(self) -> None:
+        """Every matcher advanced with exactly the tokens its request kept: none missed,
+        none fed twice (a recompute after preemption), none left over (a session's fold)."""
+        for rid, r in self.scheduler.requests.items():
+            sor = r.structured_output_request
+            if sor is None:
+                continue
+            consumed = sor.grammar.consumed_token_ids
+            expected = sor.expected_token_ids(r.output_token_ids)
+            if consumed != expected:
+                _fail("grammar", f"request {rid!r}: its grammar consumed {len(consumed)} "
+                      f"tokens {consumed[-8:]}..., but the request kept {len(expected)} "
+                      f"{expected[-8:]}...")
 
     def _check_idle_slots(self, out: SchedulerOutput) -> None:
         sched = self.scheduler

@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from slotserve.check.grammar import CountingGrammar
 from slotserve.core.request import Request, RequestStatus
+from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import InvariantViolation
 from slotserve.sampling_params import SamplingParams
 
@@ -85,13 +87,18 @@ class Arrive:
     resumable: bool = False
     min_tokens: int = 0
     ignore_eos: bool = False
+    # > 0: under a grammar (check.grammar.CountingGrammar) complete after this many tokens.
+    grammar: int = 0
 
     def apply(self, h: Harness) -> None:
         rid = h.new_request_id()
+        sor = (StructuredOutputRequest(CountingGrammar(self.grammar)) if self.grammar
+               else None)
         h.add(Request(rid, list(self.prompt),
-                      _params(self.max_tokens, self.min_tokens, self.ignore_eos),
+                      _params(self.max_tokens, 0 if self.grammar else self.min_tokens,
+                              self.ignore_eos),
                       eos_token_id=EOS, priority=self.priority, arrival_time=h.now,
-                      resumable=self.resumable))
+                      resumable=self.resumable, structured_output_request=sor))
         if self.resumable and rid in h.sched.requests:
             h.open_sessions.append(rid)
 
@@ -99,6 +106,7 @@ class Arrive:
         extra = "".join([f" priority={self.priority}" if self.priority else "",
                          f" min_tokens={self.min_tokens}" if self.min_tokens else "",
                          " ignore_eos" if self.ignore_eos else "",
+                         f" grammar={self.grammar}" if self.grammar else "",
                          " (a session)" if self.resumable else ""])
         return f"arrive {list(self.prompt)} max_tokens={self.max_tokens}{extra}"
 

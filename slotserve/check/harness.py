@@ -77,6 +77,7 @@ class Harness:
                 f"[state] running {len(s.running)} + waiting {len(s.waiting)} + idle "
                 f"{len(idle)} != {len(s.requests)} requests")
         self.checker.check_blocks()
+        self.checker.check_grammars()
         if any(rid in s.slot_ledger.holders for rid in idle):
             self.effects.add("idle session holds a slot")
 

@@ -13,6 +13,12 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """
     n_out = request.num_output_tokens
     params = request.sampling_params
+    sor = request.structured_output_request
+    if sor is not None and sor.grammar.is_terminated():
+        # The grammar is complete (it allows only EOS now), also for a request that ignores
+        # EOS; min_tokens cannot be combined with a grammar (SamplingParams).
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
     if n_out >= params.min_tokens:
         last = request.all_token_ids[-1]
         if last == request.eos_token_id:

@@ -414,9 +414,18 @@ class Scheduler:
                 continue  # a partial prefill samples nothing
             stopped = False
             n_new = 0
+            sor = r.structured_output_request
+            message = None
             for t in generated:
                 r.append_output_token_ids(t)
                 n_new += 1
+                if sor is not None and not sor.grammar.accept_tokens([t]):
+                    # The bitmask allowed only what the grammar accepts, so this is the
+                    # grammar library failing (a resource limit): the output would break.
+                    r.status = RequestStatus.FINISHED_ERROR
+                    message = f"structured output failed: {sor.grammar.error}"
+                    stopped = True
+                    break
                 if check_stop(r, max_model_len):
                     stopped = True
                     break
@@ -434,11 +443,12 @@ class Scheduler:
                 self.running.remove(r)
             else:
                 self.waiting.remove_request(r)
-            finished = self.sessions.on_stop(r, self.now)
+            # A failed grammar ends a session too: its next chunk could not be constrained.
+            finished = message is not None or self.sessions.on_stop(r, self.now)
             if finished:
                 self._free_request(r)
             outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
-                                            r.num_cached_tokens, finished))
+                                            r.num_cached_tokens, finished, message))
         return outputs
 
     def _fail_requests(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:

@@ -172,13 +172,17 @@ def fold(request: Request, update: StreamingUpdate) -> None:
     """Apply the next input chunk to a stopped session.
 
     The outputs become part of the prompt, except the last sampled token (kept_output_tokens);
-    then the chunk is appended and its sampling params take over. Dropping exactly that one
+    then the chunk is appended and its sampling params take over (a grammar, set by the
+    session's first chunk, goes on constraining the outputs). Dropping exactly that one
     token (rather than everything past num_computed_tokens) keeps the history intact when the
     session's KV was reclaimed and num_computed_tokens is 0.
     """
     tokens = request.all_token_ids
-    del tokens[request.num_tokens - request.num_output_tokens
-               + kept_output_tokens(request.num_output_tokens):]
+    kept = kept_output_tokens(request.num_output_tokens)
+    if request.structured_output_request is not None:
+        # The session's grammar spans its chunks: it forgets the dropped token too.
+        request.structured_output_request.on_fold(request.output_token_ids, kept)
+    del tokens[request.num_tokens - request.num_output_tokens + kept:]
     tokens.extend(update.prompt_token_ids)
     request.output_token_ids.clear()
     request.prompt_token_ids = list(tokens)

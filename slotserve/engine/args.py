@@ -53,6 +53,13 @@ class EngineArgs:
     seed: int | None = None
     # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
     native_attention: bool = True
+    # Structured outputs: a request whose grammar is not compiled within this many seconds
+    # is refused. Bitmask rows are filled on a helper thread while the forward pass runs
+    # (True), or on the step loop before it (False); None: overlapped when the model runs on
+    # an accelerator, whose forward pass leaves the CPU free, inline on the CPU, where the
+    # forward pass keeps the cores busy and a handoff per step costs a context switch.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_bitmask_overlap: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

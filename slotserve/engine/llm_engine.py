@@ -23,10 +23,25 @@ from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import RequestValidationError
 from slotserve.models.config import ModelConfig
 from slotserve.outputs import RequestOutput, RequestOutputKind
-from slotserve.sampling_params import SamplingParams
+from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+def check_session_chunk(session_spec: StructuredOutputsParams | None,
+                        params: SamplingParams | None) -> None:
+    """A session's grammar is set by its first chunk and spans all of them: a later chunk may
+    repeat it or leave it out, not change it."""
+    spec = params.structured_outputs if isinstance(params, SamplingParams) else None
+    if spec is not None and spec != session_spec:
+        raise RequestValidationError(
+            "a streaming session's structured outputs are set by its first chunk; later "
+            "chunks may repeat them or leave them out", "structured_outputs")
+    if session_spec is not None and isinstance(params, SamplingParams) and params.min_tokens:
+        raise RequestValidationError("min_tokens cannot be combined with structured outputs "
+                                     "(the grammar decides where the output ends)",
+                                     "min_tokens")
 
 
 class LLMEngine:
@@ -93,6 +108,7 @@ class LLMEngine:
                     f"session {request_id!r} has ended: no input is taken after its end",
                     "request_id")
             session = existing.session_num_tokens
+            check_session_chunk(existing.structured_outputs, params)
         return self.processor.process(
             request_id, prompt, params, priority=priority, resumable=resumable,
             arrival_time=arrival_time, output_kind=output_kind, continuation_of=session)

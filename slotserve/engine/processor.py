@@ -282,6 +282,14 @@ class Processor:
                 f"min_tokens={params.min_tokens} does not fit: the prompt leaves {room} tokens "
                 f"of context (max_model_len {self.max_model_len})", "min_tokens")
 
+        grammar = None
+        if params.structured_outputs is not None and continuation_of is None:
+            # Built and checked here, so a bad constraint never reaches the core; a session's
+            # grammar comes with its first chunk (LLMEngine checks the later ones).
+            from slotserve.structured_output import checked_grammar
+
+            grammar = checked_grammar(params.structured_outputs)
+
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_token_ids = params.stop_token_ids
         if self.extra_stop_token_ids and not params.ignore_eos:
@@ -307,6 +315,6 @@ class Processor:
             eos = None if params.ignore_eos else self.eos_token_id
             requests.append(EngineCoreRequest(
                 child_id, token_ids, child_params, eos, arrival_time, priority, resumable,
-                continues_session=continuation_of is not None))
+                continues_session=continuation_of is not None, grammar=grammar))
         return ProcessedRequest(request_id, text, token_ids, params, requests, output_kind,
                                 resumable)

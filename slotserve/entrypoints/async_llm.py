@@ -121,7 +121,7 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
                 prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
             prev.cumulative_logprob = c.cumulative_logprob
             prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
-            prev.finish_message = c.finish_message
+            prev.finish_message, prev.rejected = c.finish_message, c.rejected
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                          [by_index[i] for i in sorted(by_index)], last.finished,
                          last.num_cached_tokens, last.metrics)
@@ -388,6 +388,11 @@ class AsyncLLM:
             if stream is not None:
                 del self._streams[out.request_id]
             failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+            if failed is not None and failed.rejected:
+                if stream is not None:
+                    stream.fail(RequestValidationError(failed.finish_message or "invalid request",
+                                                       "structured_outputs"))
+                return
             if failed is not None:
                 message = failed.finish_message or (
                     f"{type(step_error).__name__}: {step_error}" if step_error is not None

@@ -192,6 +192,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "GIL with the HTTP side) or on a thread of the server process")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how the model writes tool calls (default: read from its chat "
+                   "template)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -243,7 +246,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = build_app(engine, served_model_names=[name], api_key=args.api_key, limits=limits,
-                    enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key)
+                    enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,
+                    tool_call_parser=args.tool_call_parser)
     logger.info("serving %s (max_model_len %d, %d torch threads, engine core in a %s) on "
                 "http://%s:%d%s", name, engine.max_model_len, threads, args.engine_mode,
                 args.host, args.port, " with an API key" if args.api_key else "")

@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from slotserve.config import CacheConfig, SchedulerConfig
-from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from slotserve.core.outputs import (
+    GrammarOutput,
+    LogprobsEntry,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from slotserve.errors import InvariantViolation
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.config import ModelConfig
@@ -24,7 +29,13 @@ from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
-from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
+from slotserve.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    grammar_bias,
+    mix_seed,
+)
 from slotserve.worker.slots import RequestSlots
 
 logger = logging.getLogger(__name__)
@@ -131,11 +142,14 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """Run one step. A failure is isolated to the requests that cause it: if the batch
         fails, each request runs alone (KV writes are idempotent, and nothing else changes
         before a run succeeds), and only those that fail alone are reported in `failed`.
-        A broken contract (InvariantViolation, SlotOverflowError) still fails the step."""
+        A broken contract (InvariantViolation, SlotOverflowError) still fails the step.
+        `grammar_output` holds the token bitmask of the requests under a grammar that sample
+        in this step; it is applied to their logits before sampling."""
         so = scheduler_output
         self._apply_state(so)
         self.last_forward_s = 0.0
@@ -143,9 +157,16 @@ class ModelRunner:
         # A request listed with 0 tokens has nothing to run; it is simply left out.
         ids = [r for r, n in so.num_scheduled_tokens.items() if n > 0 and r not in failed]
         outputs: list[ModelRunnerOutput] = []
+
+        def run(some: list[str]) -> ModelRunnerOutput:
+            # Without a grammar, the two-argument call (tests wrap _execute to inject faults).
+            if grammar_output is None:
+                return self._execute(so, some)
+            return self._execute(so, some, grammar_output)
+
         if ids:
             try:
-                outputs.append(self._execute(so, ids))
+                outputs.append(run(ids))
             except _CONTRACT_ERRORS:
                 raise
             except Exception as exc:  # noqa: BLE001 - isolated below
@@ -157,7 +178,7 @@ class ModelRunner:
                                    type(exc).__name__, exc)
                     for rid in ids:
                         try:
-                            outputs.append(self._execute(so, [rid]))
+                            outputs.append(run([rid]))
                         except _CONTRACT_ERRORS:
                             raise
                         except Exception as one:  # noqa: BLE001 - this request's own
@@ -165,7 +186,8 @@ class ModelRunner:
         scheduled_failed = {r: failed[r] for r in so.num_scheduled_tokens if r in failed}
         return _merge_outputs(outputs, scheduled_failed or None)
 
-    def _execute(self, so: SchedulerOutput, ids: list[str]) -> ModelRunnerOutput:
+    def _execute(self, so: SchedulerOutput, ids: list[str],
+                 grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         """One forward pass and sampling over `ids`; the worker's state moves only when it
         succeeds."""
         b = self.batch
@@ -202,6 +224,10 @@ class ModelRunner:
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        if grammar_output is not None:
+            # Waits for the bitmask here, after the forward pass it was filled beside.
+            self._grammar_metadata(sampling_meta, grammar_output, ids,
+                                   [req_ids[r] for r in sample_rows.tolist()])
         sampled_out = self.sampler(logits, sampling_meta)
         sampled = sampled_out.sampled.cpu().numpy()
         self.last_forward_s += time.perf_counter() - start
@@ -290,6 +316,32 @@ class ModelRunner:
             meta.max_num_logprobs = int(nlp.max())
         return meta
 
+    def _grammar_metadata(self, meta: SamplingMetadata, grammar_output: GrammarOutput,
+                          ids: list[str], sample_ids: list[str]) -> None:
+        """The bias rows of this run's requests (a step isolating a failure runs them one by
+        one); every one of them must sample."""
+        row_of = {rid: row for row, rid in enumerate(sample_ids)}
+        in_run = set(ids)
+        rows: list[int] = []
+        picks: list[int] = []
+        for k, rid in enumerate(grammar_output.structured_output_request_ids):
+            if rid not in in_run:
+                continue
+            row = row_of.get(rid)
+            if row is None:
+                raise InvariantViolation(f"request {rid!r} has a grammar bitmask but does not "
+                                         "sample in this step")
+            rows.append(row)
+            picks.append(k)
+        bitmask = grammar_output.ready_bitmask()
+        if not rows:
+            return
+        if len(picks) != len(bitmask):
+            bitmask = bitmask[picks]
+        if rows != list(range(len(sample_ids))):
+            meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        meta.grammar_bias = grammar_bias(bitmask, self.vocab_size, self.device)
+
     def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
                      sample_slots: np.ndarray, out: SamplerOutput) -> ModelRunnerOutput:
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
@@ -311,7 +363,8 @@ class ModelRunner:
                 entry: LogprobsEntry = {int(sampled[i]): float(lp[i])}
                 if n and top_ids is not None and top_lp is not None:
                     for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
-                        entry.setdefault(tok, float(val))
+                        if val != float("-inf"):  # a token a grammar disallowed
+                            entry.setdefault(tok, float(val))
                 logprobs[row] = [entry]
         return ModelRunnerOutput(
             req_ids=req_ids,

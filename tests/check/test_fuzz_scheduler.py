@@ -6,7 +6,9 @@ chunks (empty ones included) and ends, prefix-cache resets (with and without run
 requests), KV pressure that forces preemption, pipelined steps, failed model steps and steps
 whose failure the worker isolated to one request, idle
 sessions giving up their slot past the grace period or over the cap of idle sessions, idle
-sessions timing out, and model outputs with random stops. Every output is applied to the
+sessions timing out, and model outputs with random stops; some requests are under a grammar
+(complete after a few tokens, failing on one token), which the checker holds to exactly the
+tokens each request kept. Every output is applied to the
 checker's reference worker and to the real RequestSlots table. The machine ends with a drain:
 every session ended, every request finished, all blocks free, no slot held.
 """
@@ -33,11 +35,12 @@ from slotserve.check.events import (
     Tick,
     Update,
 )
+from slotserve.check.grammar import REJECTED
 from slotserve.check.harness import Harness
 from tests.helpers import make_scheduler
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
-TOKENS = [42, 43, 44, 45, STOP, EOS]
+TOKENS = [42, 43, 44, 45, STOP, EOS, REJECTED]
 EXAMPLES = int(os.environ.get("SLOTSERVE_FUZZ_EXAMPLES", "300"))
 
 
@@ -78,12 +81,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------- rules
     @rule(prefix=st.sampled_from([None, 0, 1, 2]), tail=st.lists(st.integers(40, 60), max_size=12),
           priority=st.integers(0, 3), max_tokens=st.integers(1, 6),
-          resumable=st.booleans(), min_tokens=st.integers(0, 2), ignore_eos=st.booleans())
+          resumable=st.booleans(), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
+          grammar=st.sampled_from([0, 0, 1, 3]))
     def add_request(self, prefix: int | None, tail: list[int], priority: int, max_tokens: int,
-                    resumable: bool, min_tokens: int, ignore_eos: bool) -> None:
+                    resumable: bool, min_tokens: int, ignore_eos: bool, grammar: int) -> None:
         prompt = (PREFIXES[prefix] if prefix is not None else []) + tail
         self.h.apply(Arrive(tuple(prompt or [50]), max_tokens, priority, resumable,
-                            min_tokens, ignore_eos))
+                            min_tokens, ignore_eos, grammar))
 
     @precondition(lambda self: bool(self.h.open_sessions))
     @rule(data=st.data(), chunk=st.lists(st.integers(40, 60), max_size=6),

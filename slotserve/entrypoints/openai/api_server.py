@@ -163,9 +163,12 @@ def make_admission(engine: AsyncLLM, limits: ServerLimits) -> AdmissionControlle
 def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
               api_key: str | None = None, metrics: ServerMetrics | None = None,
               limits: ServerLimits | None = None, enable_admin: bool = False,
-              admin_api_key: str | None = None, shutdown_engine: bool = True) -> FastAPI:
+              admin_api_key: str | None = None, shutdown_engine: bool = True,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The app. `api_key` and `admin_api_key` must not be empty strings (an empty key would
-    read as no key: the caller refuses it); the admin endpoints need one of them."""
+    read as no key: the caller refuses it); the admin endpoints need one of them.
+    `tool_call_parser` names the tool-call format (hermes, llama3_json) when the chat
+    template does not show one."""
     if api_key == "" or admin_api_key == "":
         raise ConfigError("an API key must not be empty")
     admin_key = admin_api_key or api_key
@@ -179,7 +182,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     admission = make_admission(engine, limits)
     metrics.admission = admission
     completion = OpenAIServingCompletion(engine, names, admission)
-    chat = OpenAIServingChat(engine, names, admission)
+    chat = OpenAIServingChat(engine, names, admission, tool_call_parser)
     sessions = OpenAIServingSessions(engine, names, admission)
 
     @asynccontextmanager

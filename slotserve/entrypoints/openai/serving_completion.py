@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
-from slotserve.entrypoints.openai.errors import bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -27,6 +27,8 @@ from slotserve.entrypoints.openai.serving_engine import (
     merge_generators,
     sse,
 )
+from slotserve.entrypoints.openai.structured import rename_param, response_constraint
+from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
 
@@ -56,11 +58,17 @@ class OpenAIServingCompletion(OpenAIServing):
         check_sequence_count(len(prompts), req.n)
         await self.precheck(raw, req.user)
         params = req.to_sampling_params(req.max_tokens)
+        constraint = response_constraint(req.response_format, req.structured_outputs)
         request_id = f"cmpl-{random_uuid()}"
 
         def prepare_all() -> list[ProcessedRequest]:
-            return [self.prepare(p, params, f"{request_id}-{i}", req.priority)
-                    for i, p in enumerate(prompts)]
+            try:
+                constrained = (params.clone(structured_outputs=constraint)
+                               if constraint is not None else params)
+                return [self.prepare(p, constrained, f"{request_id}-{i}", req.priority)
+                        for i, p in enumerate(prompts)]
+            except (RequestValidationError, APIError) as exc:
+                raise rename_param(exc, req.response_format) from exc
 
         # Tokenization happens off the event loop; then the request waits for its turn.
         processed = await self.engine.run_off_loop(prepare_all)
