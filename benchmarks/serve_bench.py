@@ -67,8 +67,11 @@ def engine_cli_flags(args: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(args: argparse.Namespace) -> Iterator[str]:
-    """The URL of --url, or of a server started here on the engine flags (stopped after)."""
+def serving(args: argparse.Namespace, extra_flags: tuple[str, ...] = (),
+            on_start: Any = None, log: Any = None) -> Iterator[str]:
+    """The URL of --url, or of a server started here on the engine flags and `extra_flags`
+    (stopped after); `on_start(proc)` is called with the started process, whose output goes
+    to the file `log` when given."""
     if args.url is not None:
         yield args.url
         return
@@ -79,8 +82,12 @@ def serving(args: argparse.Namespace) -> Iterator[str]:
         port = int(s.getsockname()[1])
     cmd = [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
            "--log-level", "warning", "--engine-mode", args.engine_mode,
-           *engine_cli_flags(args)] + (["--api-key", args.api_key] if args.api_key else [])
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+           *engine_cli_flags(args), *extra_flags] + (
+               ["--api-key", args.api_key] if args.api_key else [])
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=log,
+                            stderr=None if log is None else subprocess.STDOUT)
+    if on_start is not None:
+        on_start(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

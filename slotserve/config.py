@@ -8,6 +8,7 @@ components can disagree about `max_model_len` or `num_blocks`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +26,12 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # An idle streaming session with no new chunk for this long is ended (vLLM PR #53321).
     streaming_session_timeout_s: float = 600.0
+    # An idle session keeps its worker slot (and KV) at most this long while a waiting
+    # request needs a slot; past it the slot goes to the waiting request (issue 11).
+    idle_slot_grace_s: float = 1.0
+    # At most this many idle sessions keep their slot and KV; beyond it the least important,
+    # longest-idle ones give theirs up at once (None: no cap but max_num_seqs).
+    max_idle_sessions: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -32,6 +39,12 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        for name in ("streaming_session_timeout_s", "idle_slot_grace_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0")
+        if self.max_idle_sessions is not None and self.max_idle_sessions < 0:
+            raise ConfigError("max_idle_sessions must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step, or it would block the queue.
             raise ConfigError(

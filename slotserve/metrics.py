@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -47,6 +48,8 @@ _GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.num_paused_sessions),
     ("kv_cache_usage_perc", "Fraction of usable KV cache blocks in use (0 to 1).",
      lambda s: s.kv_cache_usage),
+    ("num_slots_held", "Worker slots held (running requests, idle and promoted sessions).",
+     lambda s: s.num_slots_held),
     ("model_weights_bytes", "Bytes of model weights in memory (quantized blocks included).",
      lambda s: s.weights_bytes),
     ("model_quantized_weights_bytes", "Bytes of weights kept in their quantized block format.",
@@ -62,6 +65,11 @@ _COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
      lambda s: s.prefix_cache_hits),
     ("num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
+    ("idle_session_slots_reclaimed", "Idle sessions whose slot and KV were taken (past the "
+     "grace period by a waiting request, or over the cap of idle sessions).",
+     lambda s: s.num_idle_slots_reclaimed),
+    ("failed_requests", "Requests a model step failed alone (the rest of the step went on).",
+     lambda s: s.num_failed_requests),
     ("prompt_tokens", "Prompt tokens processed (prefilled).", lambda s: s.prompt_tokens_total),
     ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens_total),
     # How busy the front keeps the engine core's step loop.
@@ -88,6 +96,19 @@ class _EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
             c.add_metric(labels, float(read(stats)) if stats is not None else 0.0)
             yield c
+        admission = self._owner.admission
+        if admission is not None:
+            g = GaugeMetricFamily(PREFIX + "num_requests_admission_waiting",
+                                  "Sequences accepted by the server that have not produced a "
+                                  "token yet (in its fair queue or in the engine).",
+                                  labels=["model_name"])
+            g.add_metric(labels, float(admission.waiting.seqs))
+            yield g
+            c = CounterMetricFamily(PREFIX + "requests_refused",
+                                    "Requests refused with 429 by admission control.",
+                                    labels=["model_name"])
+            c.add_metric(labels, float(admission.num_refused))
+            yield c
 
 
 class ServerMetrics:
@@ -98,6 +119,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         # The engine's stats, read when /metrics is scraped.
         self.stats: EngineStats | None = None
+        # The server's admission control (entrypoints/openai/admission.py), if any.
+        self.admission: Any = None
         self._lock = threading.Lock()
         self.registry.register(_EngineStatsCollector(self))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds

@@ -58,6 +58,10 @@ class CompletionOutput:
     # Why the engine refused or ended the sequence itself (a prompt that can never fit, an
     # idle streaming session, a failed forward pass); None otherwise.
     finish_message: str | None = None
+    # The engine refused the request as invalid before running it (its grammar did not
+    # compile, or not in time): finish_reason is "error" and finish_message says why.
+    # AsyncLLM.generate and LLM.generate raise RequestValidationError for it instead.
+    rejected: bool = False
 
 
 @dataclass(slots=True)

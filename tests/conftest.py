@@ -18,6 +18,7 @@ from slotserve.engine.args import EngineArgs  # noqa: E402
 from slotserve.engine.core import EngineCore  # noqa: E402
 from slotserve.engine.core_client import InprocClient  # noqa: E402
 from slotserve.engine.llm_engine import LLMEngine  # noqa: E402
+from slotserve.structured_output import GuidanceBackend, StructuredOutputManager  # noqa: E402
 from tests.helpers import (  # noqa: E402
     TINY_MODELS,
     TOKENIZER_BOS,
@@ -71,7 +72,12 @@ def fake_engine(tokenizer: Any) -> FakeEngineFactory:
         config = SimpleNamespace(max_position_embeddings=max_position_embeddings,
                                  vocab_size=vocab, eos_token_id=[TOKENIZER_EOS])
         runner = FakeModelRunner(args.max_num_seqs, vocab, fail_on_step)
-        core = EngineCore(args.create_engine_config(max_position_embeddings, num_blocks), runner)
+        manager = StructuredOutputManager(
+            GuidanceBackend(lambda: (tokenizer, [TOKENIZER_EOS]), vocab), args.max_num_seqs,
+            compile_timeout_s=args.grammar_compile_timeout_s,
+            overlap=args.grammar_bitmask_overlap is not False)
+        core = EngineCore(args.create_engine_config(max_position_embeddings, num_blocks), runner,
+                          manager)
         return LLMEngine(InprocClient(core), tokenizer, config)  # type: ignore[arg-type]
 
     return make

@@ -20,6 +20,7 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -139,8 +140,10 @@ class FakeModelRunner:
         self.fail_on_step = fail_on_step
         self.last_forward_s = 0.0
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, out: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         self.num_steps += 1
+        allowed = allowed_tokens(grammar_output, self.vocab_size)
         if self.fail_on_step is not None and self.num_steps == self.fail_on_step:
             raise RuntimeError("injected forward failure")
         for rid in out.released_req_ids:
@@ -167,6 +170,11 @@ class FakeModelRunner:
                 logprobs.append(None)
                 continue
             t = fake_next_token(tokens, self.vocab_size, self.eos[rid])
+            if rid in allowed:
+                # Under a grammar: the fake token if allowed, else one the hash picks.
+                ok = allowed.pop(rid)
+                if t not in ok:
+                    t = ok[fake_next_token(tokens, 1 << 30, None) % len(ok)]
             tokens.append(t)
             sampled.append([t])
             k = self.logprobs[rid]
@@ -174,7 +182,23 @@ class FakeModelRunner:
             for j in range(k or 0):
                 entry.setdefault((t + j + 1) % self.vocab_size, -1.0 - j)
             logprobs.append(None if k is None else [entry])
+        assert not allowed, f"grammar rows for requests that do not sample: {list(allowed)}"
         return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, logprobs)
+
+
+def allowed_tokens(grammar_output: GrammarOutput | None, vocab_size: int
+                   ) -> dict[str, list[int]]:
+    """Per request under a grammar, the token ids its bitmask row allows."""
+    if grammar_output is None:
+        return {}
+    import numpy as np
+
+    bitmask = grammar_output.ready_bitmask()
+    out = {}
+    for row, rid in enumerate(grammar_output.structured_output_request_ids):
+        bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")[:vocab_size]
+        out[rid] = np.nonzero(bits)[0].tolist()
+    return out
 
 
 # ----- a hand-driven scheduler for worker tests ----------------------------------------------
@@ -417,3 +441,38 @@ def build_tokenizer(path: Path, vocab_size: int = 320) -> None:
                                    pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+def build_bigram_model(folder: Path, tokenizer: Any, chains: list[list[int]],
+                       seed: int = 0) -> None:
+    """A Llama checkpoint that is a bigram model: attention and MLP write nothing, so the
+    next token depends on the last one only, and each chain [t0, t1, ...] makes t_i+1 the
+    likeliest token after t_i (elsewhere the logits are small noise). Saved with `tokenizer`
+    (and its chat template). It lets a test script what a real model writes where a grammar
+    leaves a choice: text, a tool-call tag, EOS."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = len(tokenizer)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, bos_token_id=TOKENIZER_BOS,
+                         eos_token_id=TOKENIZER_EOS, pad_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = torch.randn(vocab, 64, generator=gen)
+        hf.model.embed_tokens.weight.copy_(emb)
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        unit = emb / emb.norm(dim=1, keepdim=True)
+        head = torch.randn(vocab, 64, generator=gen) * 0.05
+        for chain in chains:
+            for a, b in zip(chain, chain[1:], strict=False):
+                head[b] += 4.0 * unit[a]
+        hf.lm_head.weight.copy_(head)
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

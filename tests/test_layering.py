@@ -31,6 +31,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("worker", ("slotserve.worker",)),
     ("core", ("slotserve.core",)),
     ("check", ("slotserve.check",)),
+    # Grammars (llguidance): texts from constraints for the front, compiled matchers and the
+    # per-step bitmask for the core; beneath the engine that uses both, above the core whose
+    # StructuredOutputGrammar protocol it implements.
+    ("structured", ("slotserve.structured_output",)),
     ("engine", ("slotserve.engine", "slotserve.outputs")),
     ("entrypoints", ("slotserve.entrypoints", "slotserve.metrics", "slotserve.__init__")),
 ]

@@ -21,6 +21,9 @@ renamings and abstractions merge states that differ only in names:
   moves by whole-second jumps (Tick) plus drift far below a second, so these values decide
   every future comparison.
 
+A request's grammar (check.grammar's counting grammar in the vocabulary) is kept whole: what
+it consumed, whether it is complete or failed, and its session history's length.
+
 Left out because no control flow reads them: counters (preemptions, prefix-cache stats, the
 checker's step count), num_cached_tokens and stop_reason (reported, never read back), sampling fields the scheduler never reads (constant in the vocabulary anyway),
 and the worker's slot indices (only the set of holders decides whether a claim fails). Block
@@ -141,12 +144,17 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
             idle = min(round(now - sessions.idle_since[req_id]), idle_cap)
         queued = sessions.queued.get(req_id)
         queue = None if queued is None else tuple([update_form(u) for u in queued])
+        sor = r.structured_output_request
+        grammar = None if sor is None else (
+            type(sor.grammar).__name__, getattr(sor.grammar, "length", None),
+            tuple(sor.grammar.consumed_token_ids), sor.grammar.is_terminated(),
+            sor.grammar.error, len(sor.prior_output_token_ids))
         request_forms.append((
             rid[req_id], int(r.status), tuple(r.prompt_token_ids), tuple(r.all_token_ids),
             len(r.output_token_ids), r.num_computed_tokens, r.max_tokens,
             params_form(r.sampling_params), r.eos_token_id, r.priority,
             time_rank[r.arrival_time], r.resumable, r.cache_salt,
-            tuple([hid(x) for x in r.block_hashes]), queue, idle))
+            tuple([hid(x) for x in r.block_hashes]), queue, idle, grammar))
 
     blocks: list[tuple[int, int]] = [(0, 0)] * pool.num_blocks
     for b in pool.blocks:

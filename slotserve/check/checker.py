@@ -11,6 +11,11 @@ InvariantViolation naming the request and the rule the moment they disagree:
   each request's tokens and max_model_len; each scheduled token has a KV slot;
 - the worker's block table for each request equals the KV manager's;
 - free + used blocks == usable blocks; the scheduler's ledger mirrors the worker model;
+- idle sessions hold slots only within bounds: at most max_idle_sessions of them keep a slot or
+  KV, and a step that schedules nothing never leaves a request waiting for a slot while an
+  idle session past its grace period holds one;
+- each request's grammar has consumed exactly the output tokens the request kept (a
+  session's: its earlier chunks' kept outputs, then the current chunk's);
 - once everything has finished, no block is in use and no slot is held.
 """
 
@@ -126,8 +131,49 @@ class InvariantChecker:
         for r in sched.running:
             if r.request_id not in tables:
                 _fail("running holds slot", f"running request {r.request_id!r} has no slot")
+        if sched.sessions.idle:
+            self._check_idle_slots(out)
         if self.num_steps % self.full_block_scan_every == 0:
             self.check_blocks()
+        self.check_grammars()
+
+    def check_grammars(self) -> None:
+        """Every matcher advanced with exactly the tokens its request kept: none missed,
+        none fed twice (a recompute after preemption), none left over (a session's fold)."""
+        for rid, r in self.scheduler.requests.items():
+            sor = r.structured_output_request
+            if sor is None:
+                continue
+            consumed = sor.grammar.consumed_token_ids
+            expected = sor.expected_token_ids(r.output_token_ids)
+            if consumed != expected:
+                _fail("grammar", f"request {rid!r}: its grammar consumed {len(consumed)} "
+                      f"tokens {consumed[-8:]}..., but the request kept {len(expected)} "
+                      f"{expected[-8:]}...")
+
+    def _check_idle_slots(self, out: SchedulerOutput) -> None:
+        sched = self.scheduler
+        tables = self.block_tables
+        sessions = sched.sessions
+        holds_kv = sched.kv_cache_manager.holds_blocks
+        cap = sched.scheduler_config.max_idle_sessions
+        if cap is not None:
+            holding = [rid for rid in sessions.idle if rid in tables or holds_kv(rid)]
+            if len(holding) > cap:
+                _fail("idle cap", f"{len(holding)} idle sessions keep a slot or KV "
+                      f"({sorted(holding)}), over max_idle_sessions={cap}")
+        if out.total_num_scheduled_tokens or not sched.waiting:
+            return
+        head = sched.waiting.peek_request()
+        if head.request_id in tables or len(tables) < self.max_num_seqs:
+            return
+        grace = sched.scheduler_config.idle_slot_grace_s
+        for rid in sessions.idle:
+            idle_for = sched.now - sessions.idle_since[rid]
+            if rid in tables and idle_for > grace:
+                _fail("idle slot", f"request {head.request_id!r} waits for a worker slot while "
+                      f"idle session {rid!r} has held one for {idle_for:g} s, past the grace "
+                      f"period of {grace:g} s")
 
     def check_blocks(self) -> None:
         pool = self.scheduler.kv_cache_manager.block_pool

@@ -5,9 +5,10 @@ scheduler with a checker, the worker's slot table, in-flight outputs, open sessi
 clock) through the scheduler's public calls only, and whose `choices` enumerates the instances
 the explorer tries from a `Menu`. Adding an event is one class here plus its entry in
 `EVENT_TYPES` (and a rule in the fuzzer, which builds the same classes from its own
-strategies). A new idle duration that the scheduler compares (issue 11's grace period before
-an idle session's slot is reclaimed) is one entry in `idle_thresholds`: `Tick` then jumps past
-it too, and the canonical state keeps idle times up to it.
+strategies). Every idle duration the scheduler compares is an entry in `idle_thresholds` (the
+session timeout, and issue 11's grace period after which a waiting request may take an idle
+session's slot): `Tick` jumps past each, and the canonical state keeps idle times up to the
+longest.
 
 Events name requests by position, never by id (`Abort(0)` aborts the oldest live request), so
 the same event means the same thing in every state that is equal up to renaming of ids.
@@ -27,7 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from slotserve.check.grammar import CountingGrammar
 from slotserve.core.request import Request, RequestStatus
+from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import InvariantViolation
 from slotserve.sampling_params import SamplingParams
 
@@ -54,6 +57,8 @@ class Menu:
     sessions: bool = False
     outcomes: tuple[int, ...] = (TOKEN, STOP)
     failures: bool = False
+    # A step whose worker isolated a failure to one request (FailRequest).
+    request_failures: bool = False
     resets: bool = True
     aborts: bool = True
     ticks: bool = False
@@ -82,13 +87,18 @@ class Arrive:
     resumable: bool = False
     min_tokens: int = 0
     ignore_eos: bool = False
+    # > 0: under a grammar (check.grammar.CountingGrammar) complete after this many tokens.
+    grammar: int = 0
 
     def apply(self, h: Harness) -> None:
         rid = h.new_request_id()
+        sor = (StructuredOutputRequest(CountingGrammar(self.grammar)) if self.grammar
+               else None)
         h.add(Request(rid, list(self.prompt),
-                      _params(self.max_tokens, self.min_tokens, self.ignore_eos),
+                      _params(self.max_tokens, 0 if self.grammar else self.min_tokens,
+                              self.ignore_eos),
                       eos_token_id=EOS, priority=self.priority, arrival_time=h.now,
-                      resumable=self.resumable))
+                      resumable=self.resumable, structured_output_request=sor))
         if self.resumable and rid in h.sched.requests:
             h.open_sessions.append(rid)
 
@@ -96,6 +106,7 @@ class Arrive:
         extra = "".join([f" priority={self.priority}" if self.priority else "",
                          f" min_tokens={self.min_tokens}" if self.min_tokens else "",
                          " ignore_eos" if self.ignore_eos else "",
+                         f" grammar={self.grammar}" if self.grammar else "",
                          " (a session)" if self.resumable else ""])
         return f"arrive {list(self.prompt)} max_tokens={self.max_tokens}{extra}"
 
@@ -265,7 +276,8 @@ class Update:
 
 @dataclass(frozen=True, slots=True)
 class FailStep:
-    """The model step of the oldest in-flight output raises; its requests end with an error."""
+    """The model step of the oldest in-flight output raises as a whole (the worker could not
+    isolate it); all its requests end with an error."""
 
     def apply(self, h: Harness) -> None:
         h.effects.add("failed step")
@@ -280,10 +292,36 @@ class FailStep:
             yield cls()
 
 
+@dataclass(frozen=True, slots=True)
+class FailRequest:
+    """The worker answers the oldest in-flight output but could not run its index-th
+    scheduled request (it isolated a failure to it); every other sampler gets a token."""
+
+    index: int
+
+    def apply(self, h: Harness) -> None:
+        out, samplers = h.in_flight[0]
+        rid = list(out.num_scheduled_tokens)[self.index]
+        r = h.sched.requests.get(rid)
+        if r is not None and r.status in (RUNNING, PREEMPTED):
+            h.effects.add("one request of a step failed")
+        h.update([(TOKEN,)] * len(samplers), failed=rid)
+
+    def __str__(self) -> str:
+        return f"model answers, but scheduled request #{self.index} failed alone"
+
+    @classmethod
+    def choices(cls, h: Harness, m: Menu) -> Iterator[FailRequest]:
+        if m.request_failures and h.in_flight:
+            for k in range(len(h.in_flight[0][0].num_scheduled_tokens)):
+                yield cls(k)
+
+
 def idle_thresholds(sched: Scheduler) -> tuple[float, ...]:
     """The idle durations the scheduler compares an idle session's idle time against: the
     jumps `Tick` makes, and what the canonical state keeps of idle times."""
-    return (sched.scheduler_config.streaming_session_timeout_s,)
+    config = sched.scheduler_config
+    return (config.idle_slot_grace_s, config.streaming_session_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +354,7 @@ class EventType(Protocol):
 
 # The order is the order the explorer tries events in each state.
 EVENT_TYPES: tuple[EventType, ...] = (Update, Schedule, Arrive, Chunk, EndSession, Abort, Reset,
-                                      FailStep, Tick)
+                                      FailStep, FailRequest, Tick)
 
 
 def enabled_events(h: Harness, menu: Menu) -> list[Event]:

@@ -37,7 +37,7 @@ from slotserve.core.scheduler import Scheduler
 
 # The states of interest the CI exploration must reach (Harness effects).
 REQUIRED_EFFECTS = ("preemption", "prefix hit", "idle session holds a slot",
-                    "reset with running requests")
+                    "reset with running requests", "idle session's slot taken")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,8 @@ class ExploreConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     session_timeout_s: float = 10.0
+    idle_slot_grace_s: float = 2.0
+    max_idle_sessions: int | None = None
     depth: int = 8
     drain_steps: int = 40
     menu: Menu = field(default_factory=Menu)
@@ -64,7 +66,9 @@ class ExploreConfig:
                             policy=self.policy,  # type: ignore[arg-type]
                             long_prefill_token_threshold=self.long_prefill_token_threshold,
                             enable_chunked_prefill=self.enable_chunked_prefill,
-                            streaming_session_timeout_s=self.session_timeout_s),
+                            streaming_session_timeout_s=self.session_timeout_s,
+                            idle_slot_grace_s=self.idle_slot_grace_s,
+                            max_idle_sessions=self.max_idle_sessions),
             CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                         enable_prefix_caching=self.enable_prefix_caching))
 
@@ -344,8 +348,14 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
                    "(a schedule() and the model's answer to it are two events)")
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--sessions", action="store_true", help="streaming sessions: chunks, ends, "
-                   "and jumps of the clock past the idle timeout")
+                   "and jumps of the clock past the idle-slot grace period and the idle timeout")
+    p.add_argument("--idle-slot-grace", type=float, default=2.0,
+                   help="seconds an idle session keeps a slot that a waiting request needs")
+    p.add_argument("--max-idle-sessions", type=int, default=None,
+                   help="idle sessions that may keep slot and KV (default: no cap)")
     p.add_argument("--failures", action="store_true", help="model steps may fail")
+    p.add_argument("--request-failures", action="store_true",
+                   help="a step may fail for one of its requests only (the worker isolates it)")
     p.add_argument("--no-resets", action="store_true", help="no reset_prefix_cache events")
     p.add_argument("--no-aborts", action="store_true", help="no abort events")
     p.add_argument("--prompts", default="1313", help="prompts, one digit per token "
@@ -370,6 +380,7 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
     menu = Menu(prompts=_tuple_list(a.prompts), chunks=_tuple_list(a.chunks),
                 max_tokens=_ints(a.max_tokens), priorities=_ints(priorities),
                 sessions=a.sessions, ticks=a.sessions, failures=a.failures,
+                request_failures=a.request_failures,
                 resets=not a.no_resets, aborts=not a.no_aborts,
                 max_live_requests=a.max_live_requests, max_in_flight=a.max_in_flight)
     cfg = ExploreConfig(max_num_seqs=a.max_num_seqs, num_blocks=a.num_blocks,
@@ -377,7 +388,9 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
                         max_model_len=a.max_model_len, policy=a.policy,
                         long_prefill_token_threshold=a.long_prefill_token_threshold,
                         enable_chunked_prefill=not a.no_chunked_prefill,
-                        enable_prefix_caching=not a.no_prefix_caching, depth=a.depth, drain_steps=a.drain_steps, menu=menu)
+                        enable_prefix_caching=not a.no_prefix_caching,
+                        idle_slot_grace_s=a.idle_slot_grace, max_idle_sessions=a.max_idle_sessions,
+                        depth=a.depth, drain_steps=a.drain_steps, menu=menu)
     return cfg, a
 
 

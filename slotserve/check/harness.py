@@ -77,6 +77,7 @@ class Harness:
                 f"[state] running {len(s.running)} + waiting {len(s.waiting)} + idle "
                 f"{len(idle)} != {len(s.requests)} requests")
         self.checker.check_blocks()
+        self.checker.check_grammars()
         if any(rid in s.slot_ledger.holders for rid in idle):
             self.effects.add("idle session holds a slot")
 
@@ -103,6 +104,7 @@ class Harness:
         holds = s.kv_cache_manager.holds_blocks
         idle_kv = [rid for rid, r in s.requests.items() if r.status != RUNNING and holds(rid)]
         idle = list(s.sessions.idle)
+        reclaimed = s.sessions.num_slots_reclaimed
         try:
             out = s.schedule(now=self.now)
         except BaseException:
@@ -128,24 +130,29 @@ class Harness:
             self.effects.add("idle KV reclaimed")
         if any(rid not in requests for rid in idle):
             self.effects.add("idle session timed out")
+        if s.sessions.num_slots_reclaimed > reclaimed:
+            # Past its grace period (or over the cap), an idle session gave up its slot.
+            self.effects.add("idle session's slot taken")
         if len(self.slots) == self.slots.max_num_reqs and s.waiting:
             self.effects.add("all slots held, a request waits")
         return out
 
-    def update(self, sampled: Sequence[Sequence[int]]) -> None:
-        """Answer the oldest in-flight output: sampled[i] for its i-th sampling request."""
+    def update(self, sampled: Sequence[Sequence[int]], failed: str | None = None) -> None:
+        """Answer the oldest in-flight output: sampled[i] for its i-th sampling request;
+        `failed` names a scheduled request the worker could not run (it samples nothing)."""
         out, samplers = self.in_flight.pop(0)
         if len(sampled) != len(samplers):
             raise ValueError(f"{len(samplers)} requests sample in this step, got {len(sampled)}")
         tokens = dict(zip(samplers, sampled, strict=True))
-        ids = list(out.num_scheduled_tokens)
+        ids = [r for r in out.num_scheduled_tokens if r != failed]
         requests = self.sched.requests
         for rid in samplers:
             r = requests.get(rid)
             if r is not None and r.status == PREEMPTED:
                 self.effects.add("token after preemption")
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=[list(tokens.get(r, ())) for r in ids])
+                                sampled_token_ids=[list(tokens.get(r, ())) for r in ids],
+                                failed=None if failed is None else {failed: "injected"})
         if self.recorder is not None:
             self.recorder.update(out, mro, self.now)
         idle = len(self.sched.sessions.idle)

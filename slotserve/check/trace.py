@@ -20,16 +20,21 @@ import sys
 from typing import IO, Any
 
 from slotserve.check.checker import InvariantChecker
+from slotserve.check.grammar import ReplayGrammar
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
-from slotserve.sampling_params import SamplingParams
+from slotserve.core.structured_output import StructuredOutputRequest
+from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
-            if not f.name.startswith("_")}
+    out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)
+           if not f.name.startswith("_")}
+    if p.structured_outputs is not None:
+        out["structured_outputs"] = dataclasses.asdict(p.structured_outputs)
+    return out
 
 
 class TraceRecorder:
@@ -38,6 +43,7 @@ class TraceRecorder:
         self._f: IO[str] = open(path, "w")  # noqa: SIM115 - lives as long as the engine
         self._num_schedules = 0
         self._step_of: dict[int, int] = {}
+        self._last_update = 0
         self._write({"event": "config", "scheduler": dataclasses.asdict(scheduler_config),
                      "cache": dataclasses.asdict(cache_config)})
 
@@ -49,7 +55,8 @@ class TraceRecorder:
         self._write({"event": "add", "id": r.request_id, "prompt": r.prompt_token_ids,
                      "params": _params_dict(r.sampling_params), "eos": r.eos_token_id,
                      "priority": r.priority, "arrival_time": r.arrival_time,
-                     "resumable": r.resumable, "cache_salt": r.cache_salt})
+                     "resumable": r.resumable, "cache_salt": r.cache_salt,
+                     "grammar": r.use_structured_output})
 
     def finish_requests(self, ids: list[str], status: RequestStatus) -> None:
         self._write({"event": "finish", "ids": list(ids), "status": status.name})
@@ -67,8 +74,20 @@ class TraceRecorder:
 
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
                now: float | None = None) -> None:
-        self._write({"event": "update", "step": self._step_of.pop(id(out)),
-                     "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids, "now": now})
+        self._last_update = self._step_of.pop(id(out))
+        record: dict[str, Any] = {"event": "update", "step": self._last_update,
+                                  "req_ids": mro.req_ids, "sampled": mro.sampled_token_ids,
+                                  "now": now}
+        if mro.failed:
+            record["failed"] = mro.failed
+        self._write(record)
+
+    def grammar_outcomes(self, completed: list[str], failed: dict[str, str]) -> None:
+        """What the grammars did with the last update's tokens (a replay has no grammar
+        library: it is told where each grammar completed or failed)."""
+        if completed or failed:
+            self._write({"event": "grammar", "step": self._last_update,
+                         "completed": completed, "failed": failed})
 
     def close(self) -> None:
         self._f.close()
@@ -81,36 +100,63 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
     outputs: dict[int, SchedulerOutput] = {}
     ordered: list[SchedulerOutput] = []
     with open(path) as f:
-        for line in f:
-            e = json.loads(line)
-            kind = e["event"]
-            if kind == "config":
-                scheduler = Scheduler(SchedulerConfig(**e["scheduler"]), CacheConfig(**e["cache"]))
-                checker = InvariantChecker(scheduler) if check else None
-                continue
-            assert scheduler is not None, "a trace starts with its config"
-            if kind == "add":
-                scheduler.add_request(Request(
-                    e["id"], e["prompt"], SamplingParams(**e["params"]), eos_token_id=e["eos"],
-                    priority=e["priority"], arrival_time=e["arrival_time"],
-                    resumable=e["resumable"], cache_salt=e["cache_salt"]))
-            elif kind == "finish":
-                scheduler.finish_requests(e["ids"], RequestStatus[e["status"]])
-            elif kind == "reset":
-                scheduler.reset_prefix_cache(e["reset_running_requests"])
-            elif kind == "schedule":
-                out = scheduler.schedule(now=e.get("now"))
-                if checker is not None:
-                    checker.on_schedule(out)
-                outputs[e["step"]] = out
-                ordered.append(out)
-            elif kind == "update":
-                ids = e["req_ids"]
-                scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
-                    req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                    sampled_token_ids=e["sampled"]), now=e.get("now"))
+        events = [json.loads(line) for line in f]
+    outcomes = {e["step"]: e for e in events if e["event"] == "grammar"}
+    for e in events:
+        kind = e["event"]
+        if kind == "config":
+            scheduler = Scheduler(SchedulerConfig(**e["scheduler"]), CacheConfig(**e["cache"]))
+            checker = InvariantChecker(scheduler) if check else None
+            continue
+        assert scheduler is not None, "a trace starts with its config"
+        if kind == "add":
+            params = e["params"]
+            if params.get("logit_bias"):  # JSON object keys are strings
+                params["logit_bias"] = {int(t): v for t, v in params["logit_bias"].items()}
+            if params.get("structured_outputs") is not None:
+                params["structured_outputs"] = StructuredOutputsParams(
+                    **params["structured_outputs"])
+            sor = (StructuredOutputRequest(ReplayGrammar()) if e.get("grammar")
+                   else None)
+            scheduler.add_request(Request(
+                e["id"], e["prompt"], SamplingParams(**params), eos_token_id=e["eos"],
+                priority=e["priority"], arrival_time=e["arrival_time"],
+                resumable=e["resumable"], cache_salt=e["cache_salt"],
+                structured_output_request=sor))
+        elif kind == "finish":
+            scheduler.finish_requests(e["ids"], RequestStatus[e["status"]])
+        elif kind == "reset":
+            scheduler.reset_prefix_cache(e["reset_running_requests"])
+        elif kind == "schedule":
+            out = scheduler.schedule(now=e.get("now"))
+            if checker is not None:
+                checker.on_schedule(out)
+            outputs[e["step"]] = out
+            ordered.append(out)
+        elif kind == "update":
+            outcome = outcomes.get(e["step"])
+            if outcome is not None:
+                _tell_grammars(scheduler, outcome)
+            ids = e["req_ids"]
+            scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=e["sampled"], failed=e.get("failed")), now=e.get("now"))
     assert scheduler is not None, "empty trace"
     return scheduler, ordered
+
+
+def _tell_grammars(scheduler: Scheduler, outcome: dict[str, Any]) -> None:
+    for rid in outcome["completed"]:
+        grammar = _replay_grammar(scheduler, rid)
+        grammar.completes_next = True
+    for rid, message in outcome["failed"].items():
+        _replay_grammar(scheduler, rid).fails_next = message
+
+
+def _replay_grammar(scheduler: Scheduler, request_id: str) -> ReplayGrammar:
+    sor = scheduler.requests[request_id].structured_output_request
+    assert sor is not None and isinstance(sor.grammar, ReplayGrammar)
+    return sor.grammar
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.sampling_params import SamplingParams
 
@@ -55,6 +57,25 @@ class SchedulerOutput:
         return self.finished_req_ids | self.preempted_req_ids
 
 
+@dataclass(slots=True)
+class GrammarOutput:
+    """The token bitmask of one step (vLLM's name), beside its SchedulerOutput: row i is for
+    structured_output_request_ids[i], a request that samples in this step; bit t of a row
+    (little-endian within each int32) allows token t. `wait` blocks until the rows are filled:
+    the engine fills them on another thread while the forward pass runs."""
+
+    structured_output_request_ids: list[str]
+    # An int32 numpy array [rows, ceil(vocab / 32)], typed loosely: the contract (like core/)
+    # imports neither numpy nor torch.
+    grammar_bitmask: Any
+    wait: Callable[[], None] | None = None
+
+    def ready_bitmask(self) -> Any:
+        if self.wait is not None:
+            self.wait()
+        return self.grammar_bitmask
+
+
 # One logprobs entry per sampled token: token id -> logprob (the sampled token and the top N).
 LogprobsEntry = dict[int, float]
 
@@ -67,6 +88,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request index: one LogprobsEntry per sampled token, or None when not requested.
     logprobs: list[list[LogprobsEntry] | None] | None = None
+    # Requests of this step the worker could not run (it isolated the failure to them: the
+    # rest of the batch ran normally), with what went wrong. The scheduler ends them with an
+    # error; they are not among req_ids.
+    failed: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -83,3 +108,7 @@ class EngineCoreOutput:
     finished: bool = False
     # Why a request was refused or ended by the engine (FINISHED_IGNORED, session timeout).
     finish_message: str | None = None
+    # The engine refused the request as invalid before running it (its grammar did not
+    # compile, or not in time): finish_reason is "error", finish_message the reason, and the
+    # front reports it as a bad request (HTTP 400), not as a failed model step.
+    rejected: bool = False

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams
 
@@ -68,7 +69,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "priority",
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
-        "num_preemptions", "block_hashes", "max_tokens", "__weakref__",
+        "num_preemptions", "block_hashes", "max_tokens", "structured_output_request",
+        "__weakref__",
     )
 
     def __init__(
@@ -82,6 +84,7 @@ class Request:
         arrival_time: float | None = None,
         resumable: bool = False,
         cache_salt: str | None = None,
+        structured_output_request: StructuredOutputRequest | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestValidationError("request_id must be a non-empty string", "request_id")
@@ -110,6 +113,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.max_tokens = sampling_params.max_tokens
+        # The grammar every kept output token advances (a session's spans its chunks).
+        self.structured_output_request = structured_output_request
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property
@@ -134,6 +139,10 @@ class Request:
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     def get_finished_reason(self) -> str | None:
         return _FINISH_REASON.get(self.status)

@@ -13,13 +13,19 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     """
     n_out = request.num_output_tokens
     params = request.sampling_params
+    sor = request.structured_output_request
+    if sor is not None and sor.grammar.is_terminated():
+        # The grammar is complete (it allows only EOS now), also for a request that ignores
+        # EOS; min_tokens cannot be combined with a grammar (SamplingParams).
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
     if n_out >= params.min_tokens:
         last = request.all_token_ids[-1]
         if last == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        stop_ids = params.stop_token_ids
-        if stop_ids and last in stop_ids:
+        # A set: O(1) per token however many stop ids the request carries.
+        if last in params.stop_token_set:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True

@@ -40,6 +40,10 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Worker slots held (by running requests, idle sessions, promoted ones), and idle
+    # sessions whose slot a waiting request took (issue 11).
+    num_slots_held: int = 0
+    num_idle_slots_reclaimed: int = 0
 
 
 class Scheduler:
@@ -68,7 +72,9 @@ class Scheduler:
         self.pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.sessions = StreamingSessions(scheduler_config.streaming_session_timeout_s,
-                                          self.kv_cache_manager, self.waiting, self._end_request)
+                                          self.kv_cache_manager, self.waiting, self._end_request,
+                                          scheduler_config.idle_slot_grace_s,
+                                          scheduler_config.max_idle_sessions)
         # The engine's clock as of the latest schedule(now) or update_from_output(..., now):
         # sessions go idle and time out against it.
         self.now = 0.0
@@ -159,6 +165,13 @@ class Scheduler:
         self.slot_ledger.release(request.request_id)
         self.preempted_req_ids.add(request.request_id)
 
+    def _reclaim_idle_slot(self, session: Request) -> None:
+        """An idle session gives up its slot and KV (past its grace period while a request
+        waits for a slot, or over the cap of idle sessions); it stays open, keeps its tokens
+        and recomputes them when its next chunk is promoted."""
+        self._reclaim_kv(session)
+        self.sessions.num_slots_reclaimed += 1
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         if reset_running_requests:
             # Tail first, each prepended: re-admission comes back in the original order.
@@ -184,8 +197,11 @@ class Scheduler:
         time out against it. Without it, time stands still (callers with no sessions)."""
         if now is not None:
             self.now = now
-        if self.sessions.idle:
-            self.sessions.expire(self.now)
+        sessions = self.sessions
+        if sessions.idle:
+            sessions.expire(self.now)
+            for r in sessions.over_cap(self.slot_ledger.holds):
+                self._reclaim_idle_slot(r)
         kv = self.kv_cache_manager
         budget = self.max_num_scheduled_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
@@ -282,11 +298,17 @@ class Scheduler:
             r = waiting.peek_request()
             holds_slot = ledger.holds(r.request_id)
             if not holds_slot and ledger.num_free_slots() <= 0:
-                if waiting_holders <= 0:
+                # An idle session past its grace period gives its slot to r (the seed's
+                # semantics otherwise: a session that has just paused keeps it).
+                victim = self.sessions.slot_for_waiting(self.now, ledger.holds)
+                if victim is not None:
+                    self._reclaim_idle_slot(victim)
+                elif waiting_holders <= 0:
                     break
-                # Pass over it: a later request that already holds a slot may still go.
-                passed_over.append(waiting.pop_request())
-                continue
+                else:
+                    # Pass over it: a later request that already holds a slot may still go.
+                    passed_over.append(waiting.pop_request())
+                    continue
             if r.num_computed_tokens == 0:
                 hit_blocks, n_hit = kv.get_computed_blocks(r)
             else:
@@ -375,6 +397,8 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         requests = self.requests
         max_model_len = self.max_model_len
+        if model_runner_output.failed:
+            self._fail_requests(model_runner_output.failed, outputs)
         for req_id in scheduler_output.num_scheduled_tokens:
             r = requests.get(req_id)
             if r is None:
@@ -390,9 +414,18 @@ class Scheduler:
                 continue  # a partial prefill samples nothing
             stopped = False
             n_new = 0
+            sor = r.structured_output_request
+            message = None
             for t in generated:
                 r.append_output_token_ids(t)
                 n_new += 1
+                if sor is not None and not sor.grammar.accept_tokens([t]):
+                    # The bitmask allowed only what the grammar accepts, so this is the
+                    # grammar library failing (a resource limit): the output would break.
+                    r.status = RequestStatus.FINISHED_ERROR
+                    message = f"structured output failed: {sor.grammar.error}"
+                    stopped = True
+                    break
                 if check_stop(r, max_model_len):
                     stopped = True
                     break
@@ -410,12 +443,24 @@ class Scheduler:
                 self.running.remove(r)
             else:
                 self.waiting.remove_request(r)
-            finished = self.sessions.on_stop(r, self.now)
+            # A failed grammar ends a session too: its next chunk could not be constrained.
+            finished = message is not None or self.sessions.on_stop(r, self.now)
             if finished:
                 self._free_request(r)
             outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
-                                            r.num_cached_tokens, finished))
+                                            r.num_cached_tokens, finished, message))
         return outputs
+
+    def _fail_requests(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:
+        """The worker could not run these requests (and ran the rest of the step): they end
+        with an error, their blocks' hashes dropped (their K/V may never have been written)."""
+        for req_id, message in failed.items():
+            r = self.requests.get(req_id)
+            if r is None or r.status not in (RUNNING, PREEMPTED):
+                continue  # finished meanwhile, or a session that has moved on
+            self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(req_id, [], "error", finished=True,
+                                            finish_message=message))
 
     # -------------------------------------------------------------------------- queries
     def get_num_unfinished_requests(self) -> int:
@@ -439,6 +484,8 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
+            num_slots_held=len(self.slot_ledger.holders),
+            num_idle_slots_reclaimed=self.sessions.num_slots_reclaimed,
         )
 
 

@@ -7,6 +7,12 @@ name). A chunk that arrives meanwhile is folded in when the session is promoted,
 session comes back in scheduled_new_reqs with all its blocks. A non-resumable request with the
 session's id ends it, and so does an idle timeout.
 
+An idle session's worker slot is its own only for a while (issue 11): once it has been idle
+longer than the grace period, a waiting request that finds no free slot takes the slot of the
+least important, longest-idle session; and at most `max_idle` idle sessions keep slot and KV
+at all. The scheduler takes them as a preemption (reported in preempted_req_ids, KV freed);
+the session stays open with its tokens and recomputes them when its next chunk comes.
+
 Time enters as an argument (`now`, the engine's clock, given to Scheduler.schedule and
 update_from_output), so a recorded trace replays idle timeouts exactly.
 """
@@ -38,18 +44,29 @@ def kept_output_tokens(num_output_tokens: int) -> int:
 EndRequest = Callable[[Request, RequestStatus, str | None], None]
 
 
+# Whether the worker holds a slot for a request id (the scheduler's SlotLedger.holds).
+HoldsSlot = Callable[[str], bool]
+
+
 @dataclass(slots=True)
 class StreamingSessions:
     timeout_s: float
     kv_cache_manager: KVCacheManager
     waiting: RequestQueue
     end_request: EndRequest
+    # How long an idle session keeps a slot that a waiting request needs, and how many idle
+    # sessions may keep slot and KV at all (None: no cap).
+    grace_s: float = 1.0
+    max_idle: int | None = None
     # Idle sessions (they keep KV + slot), and the `now` at which each stopped.
     idle: dict[str, Request] = field(default_factory=dict)
     idle_since: dict[str, float] = field(default_factory=dict)
     # Per session: chunks (None: the end mark) that arrived while it was not idle.
     queued: dict[str, deque[StreamingUpdate | None]] = field(default_factory=dict)
     next_timeout_check: float = 0.0
+    # Idle sessions whose slot was taken (past the grace period, or over the cap); counted
+    # for stats only.
+    num_slots_reclaimed: int = 0
 
     def start(self, request: Request) -> None:
         """A new request; a resumable one opens a session."""
@@ -106,6 +123,36 @@ class StreamingSessions:
             self.end_request(r, RequestStatus.FINISHED_ABORTED,
                              f"streaming session idle for more than {self.timeout_s:g} s")
 
+    def slot_for_waiting(self, now: float, holds_slot: HoldsSlot) -> Request | None:
+        """The idle session whose slot a waiting request may take: one idle for longer than
+        the grace period that holds a slot, the least important first (the largest priority
+        value), then the longest idle. None when every slot holder is within its grace."""
+        best: Request | None = None
+        best_key = (0, 0.0)
+        grace = self.grace_s
+        for rid, r in self.idle.items():
+            since = self.idle_since[rid]
+            if now - since <= grace or not holds_slot(rid):
+                continue
+            key = (r.priority, -since)
+            if best is None or key > best_key:
+                best, best_key = r, key
+        return best
+
+    def over_cap(self, holds_slot: HoldsSlot) -> list[Request]:
+        """The idle sessions that must give up slot and KV so that at most max_idle keep
+        them: the least important, longest idle ones."""
+        cap = self.max_idle
+        if cap is None or len(self.idle) <= cap:
+            return []
+        holds = self.kv_cache_manager.holds_blocks
+        holders = [r for rid, r in self.idle.items() if holds_slot(rid) or holds(rid)]
+        if len(holders) <= cap:
+            return []
+        since = self.idle_since
+        holders.sort(key=lambda r: (r.priority, -since[r.request_id]), reverse=True)
+        return holders[:len(holders) - cap]
+
     def _promote(self, session: Request, update: StreamingUpdate) -> None:
         """Fold the next chunk into an idle session and queue it; it keeps KV and slot."""
         fold(session, update)
@@ -125,13 +172,17 @@ def fold(request: Request, update: StreamingUpdate) -> None:
     """Apply the next input chunk to a stopped session.
 
     The outputs become part of the prompt, except the last sampled token (kept_output_tokens);
-    then the chunk is appended and its sampling params take over. Dropping exactly that one
+    then the chunk is appended and its sampling params take over (a grammar, set by the
+    session's first chunk, goes on constraining the outputs). Dropping exactly that one
     token (rather than everything past num_computed_tokens) keeps the history intact when the
     session's KV was reclaimed and num_computed_tokens is 0.
     """
     tokens = request.all_token_ids
-    del tokens[request.num_tokens - request.num_output_tokens
-               + kept_output_tokens(request.num_output_tokens):]
+    kept = kept_output_tokens(request.num_output_tokens)
+    if request.structured_output_request is not None:
+        # The session's grammar spans its chunks: it forgets the dropped token too.
+        request.structured_output_request.on_fold(request.output_token_ids, kept)
+    del tokens[request.num_tokens - request.num_output_tokens + kept:]
     tokens.extend(update.prompt_token_ids)
     request.output_token_ids.clear()
     request.prompt_token_ids = list(tokens)

@@ -45,6 +45,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     streaming_session_timeout_s: float = 600.0
+    idle_slot_grace_s: float = 1.0
+    # None: half the slots (at least one), so that idle sessions never hold every slot.
+    max_idle_sessions: int | None = None
     check: bool = False
     trace_path: str | None = None
     seed: int | None = None
@@ -53,6 +56,13 @@ class EngineArgs:
     # "auto": a GGUF file's quantized weights stay quantized where a native kernel runs them
     # (models/quantization.py); "none": every weight is dequantized at load.
     quantization: Literal["auto", "none"] = "auto"
+    # Structured outputs: a request whose grammar is not compiled within this many seconds
+    # is refused. Bitmask rows are filled on a helper thread while the forward pass runs
+    # (True), or on the step loop before it (False); None: overlapped when the model runs on
+    # an accelerator, whose forward pass leaves the CPU free, inline on the CPU, where the
+    # forward pass keeps the cores busy and a handoff per step costs a context switch.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_bitmask_overlap: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -122,6 +132,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             streaming_session_timeout_s=self.streaming_session_timeout_s,
+            idle_slot_grace_s=self.idle_slot_grace_s,
+            max_idle_sessions=(max(1, self.max_num_seqs // 2) if self.max_idle_sessions is None
+                               else self.max_idle_sessions),
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching)

@@ -8,22 +8,36 @@ and detokenizes, and talks to it through an EngineCoreClient (engine/core_client
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
 import time
-from typing import Protocol
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from slotserve.check import InvariantChecker
 from slotserve.check.trace import TraceRecorder
 from slotserve.config import EngineConfig
-from slotserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from slotserve.core.outputs import (
+    EngineCoreOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
+from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.engine.args import EngineArgs
-from slotserve.engine.loading import load_model_config
+from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, portable
 from slotserve.memory import resident_bytes
 from slotserve.worker.slots import RequestSlots
+
+if TYPE_CHECKING:
+    from slotserve.models.config import ModelConfig
+    from slotserve.structured_output import StructuredOutputManager
+    from slotserve.structured_output.manager import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +49,35 @@ class ModelRunnerProtocol(Protocol):
     # Seconds spent in the forward pass and sampling in the last step.
     last_forward_s: float
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step; a grammar_output masks the logits of its requests before sampling
+        (execute_model is called without it when no request has a grammar)."""
+        ...
+
+
+@dataclass(slots=True)
+class GrammarWait:
+    """A request whose grammar is compiling: it holds no slot and no KV block. Later core
+    requests with its id (a session's chunks, its end) queue behind it, in order."""
+
+    grammar: str
+    future: concurrent.futures.Future[CompiledGrammar]
+    queue: deque[EngineCoreRequest] = field(default_factory=deque)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_runner: ModelRunnerProtocol) -> None:
+    def __init__(self, config: EngineConfig, model_runner: ModelRunnerProtocol,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.model_runner = model_runner
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        # Compiles grammars off the step loop and fills each step's bitmask; None: requests
+        # with a grammar are refused (an engine built without a tokenizer).
+        self.structured_output_manager = structured_output_manager
+        self.waiting_for_grammar: dict[str, GrammarWait] = {}
+        # Requests refused here (a grammar that failed), sent with the next step's outputs.
+        self.rejected_outputs: list[EngineCoreOutput] = []
         self.checker = InvariantChecker(self.scheduler) if config.check else None
         self.trace = (TraceRecorder(config.trace_path, config.scheduler_config,
                                     config.cache_config) if config.trace_path else None)
@@ -53,6 +88,12 @@ class EngineCore:
         # core), and the forward passes' share (benchmarks/offline_throughput.py).
         self.num_steps = 0
         self.busy_s = self.busy_cpu_s = self.total_forward_s = 0.0
+        # Requests the worker failed alone (the rest of their steps ran).
+        self.num_failed_requests = 0
+        # The last step scheduled nothing and produced nothing (requests wait for a slot an
+        # idle session keeps within its grace period): the loop waits a little instead of
+        # spinning.
+        self.stalled = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -80,21 +121,125 @@ class EngineCore:
         runner = ModelRunner((model, model_config), config.scheduler_config,
                              config.cache_config, dtype=dtype, device=device, seed=args.seed,
                              native_attention=args.native_attention)
-        return cls(config, runner)
+        overlap = args.grammar_bitmask_overlap
+        if overlap is None:
+            overlap = device.type != "cpu"
+        return cls(config, runner, _structured_output_manager(
+            args, path, model_config, config.scheduler_config.max_num_seqs, overlap))
 
     # ----- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        wait = self.waiting_for_grammar.get(request.request_id)
+        if wait is not None:
+            wait.queue.append(request)  # after the request whose grammar compiles
+            return
+        if request.grammar is not None and not request.continues_session:
+            manager = self.structured_output_manager
+            if manager is None:
+                self._reject(request.request_id, "structured outputs are not available: this "
+                             "engine was built without the model's tokenizer")
+                return
+            future = manager.request_grammar(request.grammar)
+            if future.done():  # cached
+                self._admit(request, future)
+                return
+            self.waiting_for_grammar[request.request_id] = GrammarWait(
+                request.grammar, future, deque([request]))
+            return
+        self._add(request)
+
+    def _add(self, request: EngineCoreRequest,
+             structured_output_request: StructuredOutputRequest | None = None) -> None:
         if request.continues_session and request.request_id not in self.scheduler.requests:
             return  # the session ended here meanwhile; the front has its end already
         r = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                     eos_token_id=request.eos_token_id, priority=request.priority,
-                    arrival_time=request.arrival_time, resumable=request.resumable)
+                    arrival_time=request.arrival_time, resumable=request.resumable,
+                    structured_output_request=structured_output_request)
         self.scheduler.add_request(r)
         if self.trace is not None:
             self.trace.add_request(r)
 
+    def _admit(self, request: EngineCoreRequest,
+               future: concurrent.futures.Future[CompiledGrammar]) -> bool:
+        """Add a request whose grammar is ready; False (and the request refused) when its
+        grammar failed."""
+        try:
+            compiled = future.result()
+        except Exception as exc:  # noqa: BLE001 - GrammarCompileError, or a library failure
+            self._reject(request.request_id, f"invalid grammar: {exc}")
+            return False
+        assert self.structured_output_manager is not None
+        self._add(request, self.structured_output_manager.make_request(compiled))
+        return True
+
+    def _reject(self, request_id: str, message: str) -> None:
+        logger.info("request %s refused: %s", request_id, message)
+        self.rejected_outputs.append(EngineCoreOutput(
+            request_id, [], "error", finished=True, finish_message=message, rejected=True))
+
+    def finish_refused(self, request_id: str, message: str) -> None:
+        """End a request the scheduler refused after its grammar compiled (it is freed if it
+        got in); its output goes with the next step."""
+        if request_id in self.scheduler.requests:
+            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+            if self.trace is not None:
+                self.trace.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        self.rejected_outputs.append(EngineCoreOutput(
+            request_id, [], "error", finished=True, finish_message=message))
+
+    def _admit_compiled(self, now: float) -> None:
+        """Move the requests whose grammar is ready into the scheduler (with what queued
+        behind them); refuse those whose grammar failed, or whose compile ran over the
+        limit (the compile goes on, and its text fails at once from then on)."""
+        manager = self.structured_output_manager
+        assert manager is not None
+        for rid, wait in list(self.waiting_for_grammar.items()):
+            if wait.future.done():
+                del self.waiting_for_grammar[rid]
+                try:
+                    if self._admit(wait.queue.popleft(), wait.future):
+                        for later in wait.queue:
+                            self.add_request(later)
+                except Exception as exc:  # noqa: BLE001 - as the loop does for an ADD
+                    # The front validated these, so the two disagree: end it visibly.
+                    logger.error("the engine core refused request %s: %s", rid, exc)
+                    self.finish_refused(rid, str(exc))
+                continue
+            deadline = manager.compile_deadline(wait.grammar)
+            if deadline is not None and now > deadline:
+                del self.waiting_for_grammar[rid]
+                self._reject(rid, "the grammar was not compiled within the limit of "
+                             f"{manager.compile_timeout_s:g} s")
+
+    def has_waiting_grammars(self) -> bool:
+        return bool(self.waiting_for_grammar)
+
+    def next_grammar_deadline(self) -> float | None:
+        """The earliest deadline of a compile that has started (the manager wakes the loop
+        when one starts or ends)."""
+        manager = self.structured_output_manager
+        if manager is None:
+            return None
+        deadlines = [d for w in self.waiting_for_grammar.values()
+                     if (d := manager.compile_deadline(w.grammar)) is not None]
+        return min(deadlines, default=None)
+
+    def wait_for_grammar(self, poll_s: float = 0.05) -> None:
+        """Block until some waiting request's grammar is ready, or a deadline passes, or
+        poll_s (a core stepped by its caller, with nothing else to do)."""
+        if not self.waiting_for_grammar:
+            return
+        deadline = self.next_grammar_deadline()
+        timeout = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
+        concurrent.futures.wait([w.future for w in self.waiting_for_grammar.values()],
+                                timeout=max(0.0, timeout),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
     def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.waiting_for_grammar.pop(rid, None)
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
             if self.trace is not None:
@@ -102,7 +247,9 @@ class EngineCore:
 
     def has_requests(self) -> bool:
         # Also true while releases are pending, so a final step delivers them to the worker.
-        return self.scheduler.has_requests()
+        # Requests waiting for a grammar do not count: the loop waits for them without
+        # stepping (has_waiting_grammars).
+        return self.scheduler.has_requests() or bool(self.rejected_outputs)
 
     def has_idle_sessions(self) -> bool:
         return self.scheduler.num_waiting_for_streaming_input > 0
@@ -116,26 +263,43 @@ class EngineCore:
         s = self.scheduler.make_stats()
         # A model runner reports what it holds (`ModelRunner.memory`); test doubles hold none.
         memory = getattr(self.model_runner, "memory", None)
-        return EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
-                           s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_preemptions, num_failed_steps=self.num_failed_steps,
-                           num_steps=self.num_steps, busy_s=self.busy_s,
-                           busy_cpu_s=self.busy_cpu_s,
-                           weights_bytes=getattr(memory, "weights_bytes", 0),
-                           quantized_weights_bytes=getattr(memory, "quantized_weights_bytes", 0),
-                           kv_cache_bytes=getattr(memory, "kv_cache_bytes", 0),
-                           resident_bytes=resident_bytes())
+        stats = EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
+                            s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
+                            s.num_preemptions, s.num_slots_held, s.num_idle_slots_reclaimed,
+                            num_failed_steps=self.num_failed_steps,
+                            num_failed_requests=self.num_failed_requests,
+                            num_steps=self.num_steps, busy_s=self.busy_s,
+                            busy_cpu_s=self.busy_cpu_s,
+                            num_waiting_for_grammar=len(self.waiting_for_grammar),
+                            weights_bytes=getattr(memory, "weights_bytes", 0),
+                            quantized_weights_bytes=getattr(memory, "quantized_weights_bytes", 0),
+                            kv_cache_bytes=getattr(memory, "kv_cache_bytes", 0),
+                            resident_bytes=resident_bytes())
+        if self.structured_output_manager is not None:
+            g = self.structured_output_manager.stats
+            stats.num_grammars_compiled, stats.grammar_compile_s = g.num_compiled, g.compile_s
+            stats.num_grammar_mask_rows = g.num_mask_rows
+            stats.grammar_mask_fill_s, stats.grammar_mask_wait_s = g.mask_fill_s, g.mask_wait_s
+        return stats
 
     # ----- the step ---------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        if self.waiting_for_grammar:
+            self._admit_compiled(time.monotonic())
+        rejected, self.rejected_outputs = self.rejected_outputs, []
         # With only idle sessions a step still runs: schedule() is where they time out, so a
         # loop ticks step() now and then while sessions are idle.
         if not self.scheduler.has_requests() and not self.has_idle_sessions():
-            return EngineCoreOutputs()
+            self.stalled = False
+            now = time.monotonic()
+            return EngineCoreOutputs(rejected, now, now) if rejected else EngineCoreOutputs()
         cpu_start, schedule_time = time.thread_time(), time.monotonic()
         try:
-            return self._step(schedule_time)
+            out = self._step(schedule_time)
+            if rejected:
+                out.outputs[:0] = rejected
+            return out
         finally:
             self.num_steps += 1
             self.busy_s += time.monotonic() - schedule_time
@@ -143,28 +307,56 @@ class EngineCore:
 
     def _step(self, schedule_time: float) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule(now=schedule_time)
+        self.stalled = False
         if self.trace is not None:
             self.trace.schedule(scheduler_output, schedule_time)
         if self.checker is not None:
             self.checker.on_schedule(scheduler_output)
         scheduled_new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        grammar_output = None
+        if self.structured_output_manager is not None:
+            grammar_output = self.structured_output_manager.grammar_bitmask(
+                self.scheduler.requests, scheduler_output)
         try:
-            model_output = self.model_runner.execute_model(scheduler_output)
+            if grammar_output is None:
+                model_output = self.model_runner.execute_model(scheduler_output)
+            else:
+                model_output = self.model_runner.execute_model(scheduler_output, grammar_output)
         except Exception as exc:
+            if grammar_output is not None:
+                grammar_output.ready_bitmask()  # the helper thread is done with the matchers
             return EngineCoreOutputs(self._fail_step(scheduler_output, exc), schedule_time,
                                      time.monotonic(), scheduled_new, portable(exc))
+        if grammar_output is not None:
+            # Done already when the worker applied it; the matchers advance only after this.
+            grammar_output.ready_bitmask()
         self.total_forward_s += self.model_runner.last_forward_s
         if self.checker is not None:
             self.checker.check_worker_slots(self.model_runner.slots)
         now = time.monotonic()
         if self.trace is not None:
             self.trace.update(scheduler_output, model_output, now)
+            grammars = self._scheduled_grammars(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+        if self.trace is not None and grammars:
+            self.trace.grammar_outcomes(
+                [rid for rid, sor in grammars.items() if sor.grammar.is_terminated()],
+                {rid: sor.grammar.error for rid, sor in grammars.items()
+                 if sor.grammar.error is not None})
+        if model_output.failed:
+            self.num_failed_requests += len(model_output.failed)
+        self.stalled = not scheduler_output.total_num_scheduled_tokens and not outputs
         # Drained means nothing at all: idle sessions still hold KV and a slot.
         if (self.checker is not None and not self.scheduler.requests
                 and not self.scheduler.has_requests()):
             self.checker.assert_drained()
         return EngineCoreOutputs(outputs, schedule_time, now, scheduled_new)
+
+    def _scheduled_grammars(self, so: SchedulerOutput) -> dict[str, StructuredOutputRequest]:
+        requests = self.scheduler.requests
+        return {rid: sor for rid in so.num_scheduled_tokens
+                if (r := requests.get(rid)) is not None
+                and (sor := r.structured_output_request) is not None}
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
                    exc: Exception) -> list[EngineCoreOutput]:
@@ -184,3 +376,20 @@ class EngineCore:
         if self.trace is not None:
             self.trace.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(rid, [], finish_reason="error", finished=True) for rid in failed]
+
+
+def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelConfig,
+                               max_num_seqs: int, overlap: bool) -> StructuredOutputManager:
+    """Structured outputs for this model: the grammar library's tokenizer builds on the
+    compile thread from the start, off the step loop."""
+    from slotserve.structured_output import GuidanceBackend, StructuredOutputManager
+
+    def tokenizer_and_eos() -> tuple[object, list[int]]:
+        tokenizer = load_tokenizer(args.tokenizer or path)
+        return tokenizer, eos_token_ids(model_config, tokenizer)
+
+    manager = StructuredOutputManager(
+        GuidanceBackend(tokenizer_and_eos, model_config.vocab_size), max_num_seqs,
+        compile_timeout_s=args.grammar_compile_timeout_s, overlap=overlap)
+    manager.warm_up()
+    return manager

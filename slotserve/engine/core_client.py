@@ -120,10 +120,13 @@ class InprocClient(EngineCoreClient):
         self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        core = self.engine_core
+        if not core.has_requests() and core.has_waiting_grammars():
+            core.wait_for_grammar()  # nothing else to step for
+        return core.step()
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        return self.get_output()
 
     def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -141,7 +144,7 @@ class InprocClient(EngineCoreClient):
         pass
 
     def needs_step(self) -> bool:
-        return self.engine_core.has_requests()
+        return self.engine_core.has_requests() or self.engine_core.has_waiting_grammars()
 
 
 class _Inbox:

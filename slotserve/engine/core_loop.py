@@ -9,7 +9,8 @@ One state machine:
 
 While RUNNING it applies the queued requests, then steps; it blocks for input only while the
 core is idle (ticking once a second while sessions are idle: schedule() is where they time
-out), so a busy core steps back to back. Whatever it produces (output batches, utility
+out) or stalled (a step that did nothing: requests wait for a slot that an idle session keeps
+within its grace period; it ticks every STALL_TICK_S then), so a busy core steps back to back. Whatever it produces (output batches, utility
 results, EngineDead) goes to one `send` callable: the client's inbox on a thread, or the pipe
 in a child process. Once it leaves RUNNING, utility calls still queued fail with
 EngineDeadError.
@@ -21,6 +22,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -41,6 +43,8 @@ from slotserve.errors import EngineDeadError
 logger = logging.getLogger(__name__)
 
 SESSION_TICK_S = 1.0
+# How often a stalled core looks again: the resolution of the idle-slot grace period.
+STALL_TICK_S = 0.05
 
 
 class LoopState(enum.Enum):
@@ -66,21 +70,40 @@ class EngineCoreLoop:
         self.send = send
         self.inputs: queue.SimpleQueue[LoopInput] = queue.SimpleQueue()
         self.state = LoopState.RUNNING
+        if core.structured_output_manager is not None:
+            # A compile that starts or ends wakes a loop that waits with nothing else to do.
+            core.structured_output_manager.on_progress = lambda: self.inputs.put(
+                (EngineCoreRequestType.WAKE, None))
 
     def run(self) -> None:
         core = self.core
         while self.state is LoopState.RUNNING:
             ticking = core.has_idle_sessions()
-            item = _next(self.inputs, not core.has_requests(), SESSION_TICK_S if ticking else None)
+            grammars = core.has_waiting_grammars()
+            stalled = core.stalled and core.has_requests()
+            item = _next(self.inputs, stalled or not core.has_requests(),
+                         self._wait_timeout(stalled, ticking))
             while item is not None and self.state is LoopState.RUNNING:
                 self._apply(*item)
                 item = _next(self.inputs)
-            if self.state is LoopState.RUNNING and (core.has_requests() or ticking):
+            if self.state is LoopState.RUNNING and (core.has_requests() or ticking or grammars
+                                                    or core.has_waiting_grammars()):
                 self._step()
         error = EngineDeadError("the engine core has stopped")
         while (item := _next(self.inputs)) is not None:
             if item[0] is EngineCoreRequestType.UTILITY:
                 self.send(UtilityResult(item[1].call_id, error, failed=True))
+
+    def _wait_timeout(self, stalled: bool, ticking: bool) -> float | None:
+        """How long the loop may block for input: a stalled core's tick, the next session
+        tick, or the deadline of a running compile (a request whose grammar is overdue is
+        refused in step())."""
+        timeout = STALL_TICK_S if stalled else SESSION_TICK_S if ticking else None
+        deadline = self.core.next_grammar_deadline()
+        if deadline is not None:
+            left = max(0.0, deadline - time.monotonic()) + 0.001
+            timeout = left if timeout is None else min(timeout, left)
+        return timeout
 
     def _apply(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if kind is EngineCoreRequestType.ADD:
@@ -93,6 +116,8 @@ class EngineCoreLoop:
                     payload.request_id, [], "error", finished=True, finish_message=str(exc))]))
         elif kind is EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
+        elif kind is EngineCoreRequestType.WAKE:
+            pass  # run() steps next, and step() admits what compiled
         elif kind is EngineCoreRequestType.UTILITY:
             call: UtilityCall = payload
             try:

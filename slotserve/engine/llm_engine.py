@@ -23,10 +23,25 @@ from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import RequestValidationError
 from slotserve.models.config import ModelConfig
 from slotserve.outputs import RequestOutput, RequestOutputKind
-from slotserve.sampling_params import SamplingParams
+from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+def check_session_chunk(session_spec: StructuredOutputsParams | None,
+                        params: SamplingParams | None) -> None:
+    """A session's grammar is set by its first chunk and spans all of them: a later chunk may
+    repeat it or leave it out, not change it."""
+    spec = params.structured_outputs if isinstance(params, SamplingParams) else None
+    if spec is not None and spec != session_spec:
+        raise RequestValidationError(
+            "a streaming session's structured outputs are set by its first chunk; later "
+            "chunks may repeat them or leave them out", "structured_outputs")
+    if session_spec is not None and isinstance(params, SamplingParams) and params.min_tokens:
+        raise RequestValidationError("min_tokens cannot be combined with structured outputs "
+                                     "(the grammar decides where the output ends)",
+                                     "min_tokens")
 
 
 class LLMEngine:
@@ -38,8 +53,10 @@ class LLMEngine:
         # Decided by the core at startup: the front validates against the same limits.
         self.config = engine_core.config
         self.max_model_len = self.config.max_model_len
-        self.processor = Processor(tokenizer, self.max_model_len, model_config.vocab_size,
-                                   eos_token_ids(model_config, tokenizer))
+        self.processor = Processor(
+            tokenizer, self.max_model_len, model_config.vocab_size,
+            eos_token_ids(model_config, tokenizer),
+            priority_policy=self.config.scheduler_config.policy == "priority")
         self.output_processor = OutputProcessor(make_decode_fn(tokenizer))
         # The last failure inside the model's forward pass (its requests ended "error").
         self.last_error: BaseException | None = None
@@ -86,7 +103,12 @@ class LLMEngine:
             if not existing.resumable:
                 raise RequestValidationError(f"request id {request_id!r} is already in use",
                                              "request_id")
+            if existing.ended:
+                raise RequestValidationError(
+                    f"session {request_id!r} has ended: no input is taken after its end",
+                    "request_id")
             session = existing.session_num_tokens
+            check_session_chunk(existing.structured_outputs, params)
         return self.processor.process(
             request_id, prompt, params, priority=priority, resumable=resumable,
             arrival_time=arrival_time, output_kind=output_kind, continuation_of=session)
@@ -110,6 +132,9 @@ class LLMEngine:
     ) -> None:
         session = self.output_processor.get_session(request_id)
         if session is not None and not resumable:
+            if session.ended:
+                raise RequestValidationError(f"session {request_id!r} has already ended",
+                                             "request_id")
             self._end_session(request_id, priority)
             return
         self.add_processed_request(self.process_request(

@@ -29,6 +29,7 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = enum.auto()  # list[str]: core request ids
     UTILITY = enum.auto()  # UtilityCall
     SHUTDOWN = enum.auto()  # None
+    WAKE = enum.auto()  # None: a grammar compiled; an idle loop looks again
 
 
 @dataclass(slots=True)
@@ -47,6 +48,10 @@ class EngineCoreRequest:
     # in the core meanwhile (an idle timeout); then the core drops the message, as its end has
     # already been sent.
     continues_session: bool = False
+    # The llguidance grammar every output token must keep (built and checked by the front
+    # from sampling_params.structured_outputs); the core compiles it before scheduling. A
+    # session's grammar comes with its first chunk and spans all of them.
+    grammar: str | None = None
 
 
 @dataclass(slots=True)
@@ -73,10 +78,21 @@ class EngineStats(SchedulerStats):
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_failed_steps: int = 0
+    # Requests the worker failed alone, the rest of their step running normally.
+    num_failed_requests: int = 0
     # How busy the front keeps the core: steps run, and wall / CPU seconds inside them.
     num_steps: int = 0
     busy_s: float = 0.0
     busy_cpu_s: float = 0.0
+    # Structured outputs: requests waiting for their grammar (they hold no slot), grammars
+    # compiled and their seconds, bitmask rows filled, the seconds filling them, and the part
+    # the step loop waited for.
+    num_waiting_for_grammar: int = 0
+    num_grammars_compiled: int = 0
+    grammar_compile_s: float = 0.0
+    num_grammar_mask_rows: int = 0
+    grammar_mask_fill_s: float = 0.0
+    grammar_mask_wait_s: float = 0.0
     # Memory of the core: the model's weights (quantized blocks included) and the KV cache
     # allocation in bytes, and the core process's resident set when the stats were taken.
     weights_bytes: int = 0

@@ -14,6 +14,7 @@ from slotserve.core.sessions import kept_output_tokens
 from slotserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
 from slotserve.engine.processor import ProcessedRequest
 from slotserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from slotserve.sampling_params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -32,6 +33,8 @@ class SeqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     finish_message: str | None = None
+    # The core refused the request as invalid (CompletionOutput.rejected).
+    rejected: bool = False
     finished: bool = False
     num_cached_tokens: int = 0
     # What DELTA outputs have already handed out.
@@ -48,11 +51,11 @@ class SeqState:
             self.sent_tokens, self.sent_text = len(self.token_ids), len(text)
             return CompletionOutput(self.index, delta_text, tokens, self.cumulative_logprob,
                                     logprobs, self.finish_reason, self.stop_reason,
-                                    self.finish_message)
+                                    self.finish_message, self.rejected)
         logprobs = None if self.logprobs is None else list(self.logprobs)
         return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
                                 logprobs, self.finish_reason, self.stop_reason,
-                                self.finish_message)
+                                self.finish_message, self.rejected)
 
 
 @dataclass(slots=True)
@@ -71,6 +74,10 @@ class RequestGroup:
     queued: deque[ProcessedRequest | None] = field(default_factory=deque)
     # Tokens the session holds in the engine once the current chunk is folded in.
     session_num_tokens: int = 0
+    # The constraint of the request (a session's: its first chunk's, for all chunks).
+    structured_outputs: StructuredOutputsParams | None = None
+    # The session's end was asked for: nothing more is taken (LLMEngine refuses it).
+    ended: bool = False
 
 
 def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
@@ -124,13 +131,16 @@ class OutputProcessor:
         if group is None:
             group = RequestGroup(processed.request_id, processed.prompt,
                                  processed.prompt_token_ids, processed.output_kind,
-                                 processed.resumable)
+                                 processed.resumable,
+                                 structured_outputs=processed.params.structured_outputs)
             self.groups[group.request_id] = group
             self._num_active += 1
             self._start_chunk(group, processed)
             return
         # The next chunk of a session, or (non-resumable) the end-of-session mark.
         item = processed if processed.resumable else None
+        if item is None:
+            group.ended = True
         if group.idle:
             self._resume(group, item)
         else:
@@ -226,7 +236,7 @@ class OutputProcessor:
                 self._finish_seq(seq, now)
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-                seq.finish_message = out.finish_message
+                seq.finish_message, seq.rejected = out.finish_message, out.rejected
                 if out.finished or not group.resumable:
                     self._finish_seq(seq, now)
                 else:

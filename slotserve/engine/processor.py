@@ -6,16 +6,21 @@ scheduler, so a rejected request changes nothing in the engine.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError
 
 from slotserve.core.request import validate_token_ids
 from slotserve.engine.messages import EngineCoreRequest
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutputKind
 from slotserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # What callers may pass as a prompt: text, pre-tokenized ids, or a dict with either.
 PromptType = str | Mapping[str, Any] | Sequence[int]
@@ -50,8 +55,11 @@ def apply_chat_template(tokenizer: Any, conversation: Conversation,
                         add_generation_prompt: bool = True,
                         chat_template: str | None = None, *,
                         continue_final_message: bool = False,
-                        template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A conversation -> a prompt dict (text and token ids) through the chat template."""
+                        template_kwargs: dict[str, Any] | None = None,
+                        encode: Callable[[str], list[int]] | None = None) -> dict[str, Any]:
+    """A conversation -> a prompt dict (text and token ids) through the chat template.
+    `encode` tokenizes the text without special tokens (Processor.render_chat passes its
+    own, which refuses text too long for the context before tokenizing it)."""
     if isinstance(conversation, str) or not isinstance(conversation, Sequence) or not all(
             isinstance(m, Mapping) and "role" in m for m in conversation):
         raise RequestValidationError("a conversation is a list of {'role': ..., "
@@ -63,36 +71,118 @@ def apply_chat_template(tokenizer: Any, conversation: Conversation,
             [dict(m) for m in conversation], tokenize=False,
             add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             continue_final_message=continue_final_message, **(template_kwargs or {}))
-    except Exception as exc:  # the template rejected the messages
+    except TemplateError as exc:  # the template rejected the messages (its own message)
         raise RequestValidationError(f"cannot apply the chat template: {exc}",
                                      "messages") from exc
+    except Exception as exc:  # a template bug: its text is not the client's business
+        logger.warning("the chat template failed: %s: %s", type(exc).__name__, exc)
+        raise RequestValidationError("cannot apply the chat template to these messages",
+                                     "messages") from exc
     # The template already writes any BOS; tokenizing with special tokens would double it.
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    ids = (encode(text) if encode is not None
+           else list(tokenizer.encode(text, add_special_tokens=False)))
     return {"prompt": text, "prompt_token_ids": ids}
+
+
+def prompt_byte_bound(tokenizer: Any, max_model_len: int) -> int | None:
+    """Bytes of text beyond which a prompt certainly has more than max_model_len tokens: no
+    token spells more bytes than the longest vocabulary entry, and a normalizer shrinks text
+    at most 4x (Unicode composition: three Hangul jamo become one syllable). Such text is
+    refused before tokenizing it (a 7 MB prompt takes seconds and a GB to tokenize). None
+    when the tokenizer's vocabulary is not known."""
+    backend = _backend(tokenizer)
+    if backend is None:
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if not vocab:
+        return None
+    longest = max(len(token.encode("utf-8", "surrogatepass")) for token in vocab)
+    slack = 1 if backend.normalizer is None else 4
+    return max_model_len * longest * slack
+
+
+def _backend(tokenizer: Any) -> Any:
+    """The Rust `tokenizers.Tokenizer` behind a transformers tokenizer, if there is one."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if hasattr(backend, "encode_batch") else None
+
+
+# Client priorities are bounded (the priority policy compares them; nothing else may).
+MAX_PRIORITY = 2**31 - 1
+
+
+def _is_empty(prompt: object) -> bool:
+    return isinstance(prompt, str | list | tuple) and len(prompt) == 0
 
 
 class Processor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 eos_token_ids: Sequence[int]) -> None:
+                 eos_token_ids: Sequence[int], *, priority_policy: bool = False) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        # Under FCFS a priority other than 0 is refused (as vLLM does): it would only let a
+        # client decide whose idle session gives up its slot first.
+        self.priority_policy = priority_policy
         # The first EOS id is "the" EOS (the sampler masks it under min_tokens); models with
         # several (Llama 3: <|end_of_text|>, <|eot_id|>) stop on the others as stop tokens.
         self.eos_token_id: int | None = eos_token_ids[0] if eos_token_ids else None
         self.extra_stop_token_ids: list[int] = list(eos_token_ids[1:])
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        self.max_prompt_bytes = prompt_byte_bound(tokenizer, max_model_len)
+        self._backend = _backend(tokenizer)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text. Text too long for the context is refused before it is
+        tokenized. The Rust tokenizer's batch call releases the GIL (its single-text call
+        does not), so a tokenization on a worker thread never stalls an event loop, and it
+        needs no lock (transformers' own encode may change the tokenizer's settings)."""
+        self.check_text_size(text)
+        if self._backend is not None:
+            return list(self._backend.encode_batch(
+                [text], add_special_tokens=add_special_tokens)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_text_size(self, text: str) -> None:
+        bound = self.max_prompt_bytes
+        # Characters never outnumber UTF-8 bytes: most texts are decided without encoding.
+        if bound is None or len(text) <= bound // 4:
+            return
+        size = len(text) if len(text) > bound else len(text.encode("utf-8", "surrogatepass"))
+        if size > bound:
+            raise RequestValidationError(
+                f"the prompt has {size} bytes of text, more than max_model_len="
+                f"{self.max_model_len} tokens can hold with this tokenizer (at most {bound} "
+                "bytes)", "prompt")
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """apply_chat_template with this processor's size check and tokenizer."""
+        return apply_chat_template(
+            self.tokenizer, conversation, add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+            encode=lambda text: self.tokenize(text, add_special_tokens=False))
 
     def tokenize_chunk(self, prompt: str | list[int], first: bool) -> list[int]:
         """A session chunk's tokens: only the session's first chunk starts with BOS and
-        friends."""
+        friends. The first chunk may not be empty (as no prompt may: a session starts with
+        something to read); a later one may (a zero-token continuation: generate more)."""
+        if first and _is_empty(prompt):
+            raise RequestValidationError("the first chunk's prompt is empty", "prompt")
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=first))
+            return self.tokenize(prompt, add_special_tokens=first)
         return list(prompt)
 
-    def resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def resolve_prompt(self, prompt: PromptType, allow_empty: bool = False
+                       ) -> tuple[str | None, list[int]]:
+        """Text and token ids of a prompt. An empty one is refused before tokenization (its
+        BOS alone would make it look like a prompt) unless `allow_empty` (a session's later
+        chunk)."""
+        text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
+        if not allow_empty and (_is_empty(ids) or (ids is None and _is_empty(text))):
+            raise RequestValidationError("the prompt is empty", "prompt")
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, Mapping):
@@ -110,6 +200,32 @@ class Processor:
         raise RequestValidationError(
             f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
             "prompt")
+
+    def check_priority(self, priority: object) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestValidationError("priority must be an integer", "priority")
+        if priority and not self.priority_policy:
+            raise RequestValidationError(
+                "priority is only accepted when the server schedules by priority "
+                "(--policy priority)", "priority")
+        if abs(priority) > MAX_PRIORITY:
+            raise RequestValidationError(
+                f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {priority}",
+                "priority")
+
+    def _fit_to_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """Token ids a request names must exist; a top_k past the vocabulary is no top_k."""
+        vocab = self.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise RequestValidationError(
+                    f"token id {bad} in {name} is out of range for a vocabulary of {vocab}",
+                    name)
+        if params.top_k >= vocab:
+            return params.clone(top_k=0)
+        return params
 
     def process(
         self,
@@ -132,13 +248,12 @@ class Processor:
             raise RequestValidationError("request_id must be a non-empty string", "request_id")
         if params is None:
             params = SamplingParams()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise RequestValidationError("priority must be an integer", "priority")
+        self.check_priority(priority)
         if not isinstance(params, SamplingParams):
             raise RequestValidationError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}",
                 "sampling_params")
-        text, token_ids = self.resolve_prompt(prompt)
+        text, token_ids = self.resolve_prompt(prompt, allow_empty=continuation_of is not None)
         if not token_ids and continuation_of is None:
             raise RequestValidationError("the prompt is empty", "prompt")
         bad = next((t for t in token_ids if t >= self.vocab_size), None)
@@ -146,6 +261,7 @@ class Processor:
             raise RequestValidationError(
                 f"prompt token id {bad} is out of range for a vocabulary of {self.vocab_size}",
                 "prompt_token_ids")
+        params = self._fit_to_vocabulary(params)
         if resumable and params.n != 1:
             raise RequestValidationError("streaming-input sessions support only n=1", "n")
         if resumable and params.stop_strings:
@@ -165,6 +281,14 @@ class Processor:
             raise RequestValidationError(
                 f"min_tokens={params.min_tokens} does not fit: the prompt leaves {room} tokens "
                 f"of context (max_model_len {self.max_model_len})", "min_tokens")
+
+        grammar = None
+        if params.structured_outputs is not None and continuation_of is None:
+            # Built and checked here, so a bad constraint never reaches the core; a session's
+            # grammar comes with its first chunk (LLMEngine checks the later ones).
+            from slotserve.structured_output import checked_grammar
+
+            grammar = checked_grammar(params.structured_outputs)
 
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_token_ids = params.stop_token_ids
@@ -191,6 +315,6 @@ class Processor:
             eos = None if params.ignore_eos else self.eos_token_id
             requests.append(EngineCoreRequest(
                 child_id, token_ids, child_params, eos, arrival_time, priority, resumable,
-                continues_session=continuation_of is not None))
+                continues_session=continuation_of is not None, grammar=grammar))
         return ProcessedRequest(request_id, text, token_ids, params, requests, output_kind,
                                 resumable)

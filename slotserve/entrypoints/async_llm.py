@@ -13,8 +13,10 @@ deltas are merged into one, never across a streaming session's chunk boundary.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
@@ -119,7 +121,7 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
                 prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
             prev.cumulative_logprob = c.cumulative_logprob
             prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
-            prev.finish_message = c.finish_message
+            prev.finish_message, prev.rejected = c.finish_message, c.rejected
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
                          [by_index[i] for i in sorted(by_index)], last.finished,
                          last.num_cached_tokens, last.metrics)
@@ -139,6 +141,11 @@ class AsyncLLM:
         self.processor: Processor = engine.processor
         self.max_model_len = engine.max_model_len
         self._streams: dict[str, _RequestStream] = {}
+        # Tokenization and chat templating run here, off the event loop (the Rust tokenizer
+        # releases the GIL in Processor.tokenize); two threads, so one long prompt does not
+        # hold up every other request's.
+        self._front_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="slotserve-front")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_handler: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -174,7 +181,14 @@ class AsyncLLM:
     # ----- inputs -----------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self.processor.tokenize(text, add_special_tokens=add_special_tokens)
+
+    async def run_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the front's worker threads (tokenization, chat templates),
+        so the event loop keeps answering meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._front_pool,
+                                          functools.partial(fn, *args, **kwargs))
 
     def detokenize(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))
@@ -256,7 +270,10 @@ class AsyncLLM:
         async def feed() -> None:
             try:
                 async for chunk in inputs:
-                    prompt = self.processor.tokenize_chunk(chunk.prompt, state["sent"] == 0)
+                    prompt = chunk.prompt
+                    if isinstance(prompt, str) or state["sent"] == 0:
+                        prompt = await self.run_off_loop(self.processor.tokenize_chunk, prompt,
+                                                         state["sent"] == 0)
                     self.engine.add_request(rid, {"prompt_token_ids": prompt},
                                             chunk.sampling_params or default_params,
                                             priority=priority, resumable=True,
@@ -295,10 +312,11 @@ class AsyncLLM:
                     if _is_boundary(out):
                         stream.boundaries += 1
                     finished = out.finished
-                    if finished and stream.boundaries >= state["sent"] and not any(
-                            c.token_ids for c in out.outputs):
-                        # The session ended while idle (its end mark, or a timeout): the
-                        # last chunk's finish was already delivered.
+                    if (finished and state["done"] and stream.boundaries >= state["sent"]
+                            and not any(c.token_ids for c in out.outputs)):
+                        # The session ended while idle on its end mark: the last chunk's
+                        # finish was already delivered. (An end the caller did not ask for,
+                        # an idle timeout, is yielded: its finish_message says why.)
                         break
                     yield out
                     if finished:
@@ -338,6 +356,7 @@ class AsyncLLM:
         return self.engine.with_front_counters(stats)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._front_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.engine_core.shutdown(timeout)
 
     # ----- outputs ----------------------------------------------------------------------------
@@ -369,6 +388,11 @@ class AsyncLLM:
             if stream is not None:
                 del self._streams[out.request_id]
             failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+            if failed is not None and failed.rejected:
+                if stream is not None:
+                    stream.fail(RequestValidationError(failed.finish_message or "invalid request",
+                                                       "structured_outputs"))
+                return
             if failed is not None:
                 message = failed.finish_message or (
                     f"{type(step_error).__name__}: {step_error}" if step_error is not None

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from slotserve.entrypoints import bench_serve
+from slotserve.entrypoints.openai.limits import ServerLimits
 
 DEFAULT_PROMPT = "To be, or not"
 DEFAULT_MODEL_NAME = "slotserve-default"
@@ -148,25 +149,92 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("SLOTSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
-                        "(default: $SLOTSERVE_API_KEY)")
+                        "(default: $SLOTSERVE_API_KEY; an empty key is refused)")
+    p.add_argument("--enable-admin-endpoints", action="store_true",
+                   help="serve /reset_prefix_cache (off by default); it needs the admin key")
+    p.add_argument("--admin-api-key", default=os.environ.get("SLOTSERVE_ADMIN_API_KEY"),
+                   help="the key of the admin endpoints (default: $SLOTSERVE_ADMIN_API_KEY, "
+                        "else --api-key)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model as given)")
-    p.add_argument("--max-request-body-bytes", type=int, default=None)
+    sessions = p.add_argument_group("streaming sessions")
+    sessions.add_argument("--streaming-session-timeout", type=float, default=None,
+                          metavar="SECONDS", help="end a session idle this long (default 600)")
+    sessions.add_argument("--idle-slot-grace", type=float, default=None, metavar="SECONDS",
+                          help="an idle session keeps a worker slot that a waiting request "
+                               "needs at most this long (default 1)")
+    sessions.add_argument("--max-idle-sessions", type=int, default=None,
+                          help="idle sessions that may keep their slot and KV (default: half "
+                               "of --max-num-seqs, at least 1)")
+    lim = p.add_argument_group("limits (README: Limits)")
+    d = ServerLimits()
+    lim.add_argument("--max-request-body-bytes", type=int, default=d.max_body_bytes,
+                     help="larger bodies get 413 (default %(default)s)")
+    lim.add_argument("--max-ws-message-bytes", type=int, default=d.max_ws_message_bytes,
+                     help="a larger WebSocket message closes the session with 1009 "
+                          "(default %(default)s)")
+    lim.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s,
+                     metavar="SECONDS", help="close a connection idle this long, before its "
+                     "first request or between requests (default %(default)s)")
+    lim.add_argument("--timeout-request-read", type=float, default=d.timeout_request_read_s,
+                     metavar="SECONDS", help="a request's headers, then its body, must arrive "
+                     "within this, else 408 (default %(default)s)")
+    lim.add_argument("--max-connections", type=int, default=d.max_connections,
+                     help="open connections; past it 503 (default %(default)s)")
+    lim.add_argument("--max-waiting-seqs", type=int, default=None,
+                     help="sequences accepted but not started; past it 429 (default: 4 x "
+                          "--max-num-seqs, at least 64)")
+    lim.add_argument("--max-waiting-tokens", type=int, default=None,
+                     help="their tokens (prompt + max_tokens); past it 429 (default: "
+                          "max-waiting-seqs x max_model_len)")
+    lim.add_argument("--max-client-share", type=float, default=d.max_client_share,
+                     help="the share of either bound one client may hold (default "
+                          "%(default)s)")
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process",
                    help="run the engine core in a child process (default; it never shares a "
                         "GIL with the HTTP side) or on a thread of the server process")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how the model writes tool calls (default: read from its chat "
+                   "template)")
     p.set_defaults(func=_cmd_serve)
+
+
+def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(
+        max_body_bytes=args.max_request_body_bytes,
+        max_ws_message_bytes=args.max_ws_message_bytes,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        timeout_request_read_s=args.timeout_request_read,
+        max_connections=args.max_connections, max_waiting_seqs=args.max_waiting_seqs,
+        max_waiting_tokens=args.max_waiting_tokens, max_client_share=args.max_client_share)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from slotserve.entrypoints import log_limits
     from slotserve.entrypoints.async_llm import AsyncLLM
-    from slotserve.entrypoints.openai.api_server import DEFAULT_MAX_BODY_BYTES, build_app
+    from slotserve.entrypoints.openai.api_server import build_app
+    from slotserve.entrypoints.openai.limits import uvicorn_config
     from slotserve.errors import SlotServeError
 
+    # Refused before anything starts: an empty key would silently turn authentication off.
+    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
+        if key is not None and not key.strip():
+            print(f"error: {flag} (or its environment variable) is empty; give a key or leave "
+                  "it unset", file=sys.stderr)
+            return 2
+    if args.enable_admin_endpoints and not (args.admin_api_key or args.api_key):
+        print("error: --enable-admin-endpoints needs --admin-api-key or --api-key",
+              file=sys.stderr)
+        return 2
+    try:
+        limits = server_limits_from_args(args)
+    except SlotServeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.engine_mode == "process":
@@ -176,19 +244,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         threads = set_threads(args.threads)
     try:
-        engine = AsyncLLM.from_engine_args(**engine_kwargs_from_args(args),
-                                           engine_mode=args.engine_mode, threads=threads)
+        engine = AsyncLLM.from_engine_args(
+            **engine_kwargs_from_args(args),
+            streaming_session_timeout_s=args.streaming_session_timeout,
+            idle_slot_grace_s=args.idle_slot_grace, max_idle_sessions=args.max_idle_sessions,
+            engine_mode=args.engine_mode, threads=threads)
     except SlotServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = build_app(engine, served_model_names=[name], api_key=args.api_key,
-                    max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    app = build_app(engine, served_model_names=[name], api_key=args.api_key, limits=limits,
+                    enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,
+                    tool_call_parser=args.tool_call_parser)
     logger.info("serving %s (max_model_len %d, %d torch threads, engine core in a %s) on "
                 "http://%s:%d%s", name, engine.max_model_len, threads, args.engine_mode,
                 args.host, args.port, " with an API key" if args.api_key else "")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_keep_alive=30)
+    config = uvicorn_config(app, limits, host=args.host, port=args.port,
+                            log_level=args.log_level)
+    log_limits.install()
     try:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:

@@ -139,6 +139,10 @@ class LLM:
                     if index is None or not out.finished:
                         continue
                     results[index] = out
+                    rejected = next((c for c in out.outputs if c.rejected), None)
+                    if rejected is not None:
+                        raise RequestValidationError(
+                            f"prompt {index}: {rejected.finish_message}", "structured_outputs")
                     if any(c.finish_reason == "error" for c in out.outputs):
                         raise EngineDeadError(
                             f"the model failed while running request {out.request_id}: "

@@ -16,6 +16,8 @@ from slotserve.core.outputs import NewRequestData
 from slotserve.errors import InvariantViolation
 from slotserve.sampling_params import SamplingParams
 
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
@@ -45,7 +47,9 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: not requested
         self.seeds: list[int | None] = [None] * max_num_seqs
         # Tokens masked below min_tokens: the EOS id (unless ignored) plus stop_token_ids.
-        self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_seqs)]
+        self.min_tokens_stop_ids: list[np.ndarray] = [_NO_IDS] * max_num_seqs
+        # logit_bias as (token ids, values), or None.
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_seqs
 
     def add_request(self, slot: int, new: NewRequestData) -> None:
         n = len(new.prefill_token_ids)
@@ -78,10 +82,15 @@ class InputBatch:
         self.min_tokens[slot] = sp.min_tokens
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
         self.seeds[slot] = sp.seed
-        stop_ids = list(sp.stop_token_ids or [])
+        stop_ids = set(sp.stop_token_set)
         if new.eos_token_id is not None:
-            stop_ids.append(new.eos_token_id)
-        self.min_tokens_stop_ids[slot] = stop_ids
+            stop_ids.add(new.eos_token_id)
+        self.min_tokens_stop_ids[slot] = (np.fromiter(sorted(stop_ids), dtype=np.int64)
+                                          if stop_ids else _NO_IDS)
+        bias = sp.logit_bias
+        self.logit_bias[slot] = None if not bias else (
+            np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+            np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
 
     def update_cached(self, slot: int, new_block_ids: list[int] | None,
                       num_computed_tokens: int) -> None:

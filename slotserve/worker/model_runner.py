@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from slotserve.config import CacheConfig, SchedulerConfig
-from slotserve.core.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from slotserve.core.outputs import (
+    GrammarOutput,
+    LogprobsEntry,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from slotserve.errors import InvariantViolation
 from slotserve.memory import keep_freed_memory, resident_bytes
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
@@ -27,10 +32,20 @@ from slotserve.models.loader import load_model, parse_dtype
 from slotserve.models.quantization import weight_memory
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
-from slotserve.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, mix_seed
+from slotserve.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    grammar_bias,
+    mix_seed,
+)
 from slotserve.worker.slots import RequestSlots
 
 logger = logging.getLogger(__name__)
+
+# The worker and the scheduler disagree (an engine bug the checker names): the step fails as
+# a whole instead of being isolated to a request.
+_CONTRACT_ERRORS = (InvariantViolation, AssertionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +126,9 @@ class ModelRunner:
             # After the weights and the KV cache: each step's activations are then reused
             # from the heap instead of being page-faulted in again every step.
             keep_freed_memory()
+        # Requests that failed here, until the scheduler releases them (reported as failed
+        # whenever they are scheduled meanwhile).
+        self.failed: dict[str, str] = {}
 
     @property
     def native_decode(self) -> bool:
@@ -120,30 +138,91 @@ class ModelRunner:
     # ---------------------------------------------------------------- state updates
     def _apply_state(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.failed.pop(req_id, None)
             slot = self.slots.req_id_to_index.get(req_id)
             if slot is not None:
                 self.batch.remove_request(slot)
-        # Releases, stale same-id slots and claims, in the contract's order, with typed errors.
+        # Releases, stale same-id slots and claims, in the contract's order, with typed errors
+        # (a slot table that disagrees with the scheduler fails the whole step).
         new_slots = self.slots.apply(so)
+        # One request's bad state (a value its row cannot hold, a block table past its end)
+        # fails that request only: it keeps its slot until the scheduler releases it.
         for new, slot in zip(so.scheduled_new_reqs, new_slots, strict=True):
-            self.batch.add_request(slot, new)
+            try:
+                self.batch.add_request(slot, new)
+            except _CONTRACT_ERRORS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - isolated to this request
+                self.batch.remove_request(slot)
+                self._mark_failed(new.req_id, exc)
         cached = so.scheduled_cached_reqs
+        index = self.slots.req_id_to_index
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens, strict=True):
-            self.batch.update_cached(self.slots.req_id_to_index[req_id], new_blocks,
-                                     num_computed)
+            if req_id in self.failed:
+                continue
+            try:
+                self.batch.update_cached(index[req_id], new_blocks, num_computed)
+            except _CONTRACT_ERRORS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - isolated to this request
+                self._mark_failed(req_id, exc)
+
+    def _mark_failed(self, req_id: str, exc: BaseException) -> None:
+        logger.error("request %s failed in the worker: %s: %s", req_id, type(exc).__name__, exc,
+                     exc_info=exc)
+        self.failed[req_id] = f"{type(exc).__name__}: {exc}"
 
     # ---------------------------------------------------------------- the step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Run one step. A failure is isolated to the requests that cause it: if the batch
+        fails, each request runs alone (KV writes are idempotent, and nothing else changes
+        before a run succeeds), and only those that fail alone are reported in `failed`.
+        A broken contract (InvariantViolation, SlotOverflowError) still fails the step.
+        `grammar_output` holds the token bitmask of the requests under a grammar that sample
+        in this step; it is applied to their logits before sampling."""
         so = scheduler_output
         self._apply_state(so)
         self.last_forward_s = 0.0
+        failed = self.failed
         # A request listed with 0 tokens has nothing to run; it is simply left out.
-        ids = [r for r, n in so.num_scheduled_tokens.items() if n > 0]
-        if so.total_num_scheduled_tokens == 0 or not ids:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        ids = [r for r, n in so.num_scheduled_tokens.items() if n > 0 and r not in failed]
+        outputs: list[ModelRunnerOutput] = []
 
+        def run(some: list[str]) -> ModelRunnerOutput:
+            # Without a grammar, the two-argument call (tests wrap _execute to inject faults).
+            if grammar_output is None:
+                return self._execute(so, some)
+            return self._execute(so, some, grammar_output)
+
+        if ids:
+            try:
+                outputs.append(run(ids))
+            except _CONTRACT_ERRORS:
+                raise
+            except Exception as exc:  # noqa: BLE001 - isolated below
+                if len(ids) == 1:
+                    self._mark_failed(ids[0], exc)
+                else:
+                    logger.warning("a step of %d requests failed (%s: %s); running them one "
+                                   "by one to isolate the failure", len(ids),
+                                   type(exc).__name__, exc)
+                    for rid in ids:
+                        try:
+                            outputs.append(run([rid]))
+                        except _CONTRACT_ERRORS:
+                            raise
+                        except Exception as one:  # noqa: BLE001 - this request's own
+                            self._mark_failed(rid, one)
+        scheduled_failed = {r: failed[r] for r in so.num_scheduled_tokens if r in failed}
+        return _merge_outputs(outputs, scheduled_failed or None)
+
+    def _execute(self, so: SchedulerOutput, ids: list[str],
+                 grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """One forward pass and sampling over `ids`; the worker's state moves only when it
+        succeeds."""
         b = self.batch
         index = self.slots.req_id_to_index
         try:
@@ -178,9 +257,13 @@ class ModelRunner:
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        if grammar_output is not None:
+            # Waits for the bitmask here, after the forward pass it was filled beside.
+            self._grammar_metadata(sampling_meta, grammar_output, ids,
+                                   [req_ids[r] for r in sample_rows.tolist()])
         sampled_out = self.sampler(logits, sampling_meta)
         sampled = sampled_out.sampled.cpu().numpy()
-        self.last_forward_s = time.perf_counter() - start
+        self.last_forward_s += time.perf_counter() - start
 
         b.num_computed_tokens[slots] = seq_lens
         b.append_sampled(sample_slots, sampled)
@@ -245,16 +328,52 @@ class ModelRunner:
                                                 b.num_tokens[slots], self.vocab_size))
         n_out = b.num_tokens[slots] - b.num_prompt_tokens[slots]
         below = np.nonzero(n_out < b.min_tokens[slots])[0]
-        pairs = [(int(row), tok) for row in below for tok in b.min_tokens_stop_ids[slots[row]]
-                 if 0 <= tok < self.vocab_size]
-        if pairs:
-            rows, toks = zip(*pairs, strict=True)
-            meta.masked_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
-            meta.masked_tokens = torch.tensor(toks, dtype=torch.int64, device=dev)
+        if len(below):
+            rows, toks = _row_pairs(below, [b.min_tokens_stop_ids[s] for s in slots[below]],
+                                    self.vocab_size)
+            if len(rows):
+                meta.masked_rows, meta.masked_tokens = t(rows), t(toks)
+        rows_l, toks_l, vals_l = [], [], []
+        for row, slot in enumerate(slots.tolist()):
+            bias = b.logit_bias[slot]
+            if bias is not None:
+                keep = bias[0] < self.vocab_size
+                toks_l.append(bias[0][keep])
+                vals_l.append(bias[1][keep])
+                rows_l.append(np.full(len(toks_l[-1]), row, dtype=np.int64))
+        if rows_l:
+            meta.bias_rows, meta.bias_tokens = t(np.concatenate(rows_l)), t(np.concatenate(toks_l))
+            meta.bias_values = t(np.concatenate(vals_l))
         nlp = b.num_logprobs[slots]
         if (nlp >= 0).any():
             meta.max_num_logprobs = int(nlp.max())
         return meta
+
+    def _grammar_metadata(self, meta: SamplingMetadata, grammar_output: GrammarOutput,
+                          ids: list[str], sample_ids: list[str]) -> None:
+        """The bias rows of this run's requests (a step isolating a failure runs them one by
+        one); every one of them must sample."""
+        row_of = {rid: row for row, rid in enumerate(sample_ids)}
+        in_run = set(ids)
+        rows: list[int] = []
+        picks: list[int] = []
+        for k, rid in enumerate(grammar_output.structured_output_request_ids):
+            if rid not in in_run:
+                continue
+            row = row_of.get(rid)
+            if row is None:
+                raise InvariantViolation(f"request {rid!r} has a grammar bitmask but does not "
+                                         "sample in this step")
+            rows.append(row)
+            picks.append(k)
+        bitmask = grammar_output.ready_bitmask()
+        if not rows:
+            return
+        if len(picks) != len(bitmask):
+            bitmask = bitmask[picks]
+        if rows != list(range(len(sample_ids))):
+            meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        meta.grammar_bias = grammar_bias(bitmask, self.vocab_size, self.device)
 
     def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
                      sample_slots: np.ndarray, out: SamplerOutput) -> ModelRunnerOutput:
@@ -277,7 +396,8 @@ class ModelRunner:
                 entry: LogprobsEntry = {int(sampled[i]): float(lp[i])}
                 if n and top_ids is not None and top_lp is not None:
                     for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
-                        entry.setdefault(tok, float(val))
+                        if val != float("-inf"):  # a token a grammar disallowed
+                            entry.setdefault(tok, float(val))
                 logprobs[row] = [entry]
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -285,3 +405,36 @@ class ModelRunner:
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
         )
+
+
+def _row_pairs(rows: np.ndarray, ids: list[np.ndarray], vocab_size: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token id) pairs for each row's ids, ids outside the vocabulary dropped."""
+    counts = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    all_rows = np.repeat(rows.astype(np.int64), counts)
+    all_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    keep = (all_ids >= 0) & (all_ids < vocab_size)
+    return all_rows[keep], all_ids[keep]
+
+
+def _merge_outputs(outputs: list[ModelRunnerOutput],
+                   failed: dict[str, str] | None) -> ModelRunnerOutput:
+    """The outputs of the runs of one step (one, or one per request after a failure)."""
+    if len(outputs) == 1 and failed is None:
+        return outputs[0]
+    req_ids: list[str] = []
+    sampled: list[list[int]] = []
+    logprobs: list[list[LogprobsEntry] | None] = []
+    any_logprobs = False
+    for out in outputs:
+        req_ids.extend(out.req_ids)
+        sampled.extend(out.sampled_token_ids)
+        if out.logprobs is None:
+            logprobs.extend([None] * len(out.req_ids))
+        else:
+            any_logprobs = True
+            logprobs.extend(out.logprobs)
+    return ModelRunnerOutput(req_ids=req_ids,
+                             req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled,
+                             logprobs=logprobs if any_logprobs else None, failed=failed)

@@ -1,7 +1,9 @@
 """Token sampling for one step, vectorised across the batch.
 
-Order of operations (per row): raw log-softmax for logprobs; min_tokens masking; repetition
-penalty (HF semantics, over prompt + output), frequency and presence penalties (over output);
+Order of operations (per row): the grammar's token bitmask (structured outputs: disallowed
+tokens get -inf, so every mode below, logprobs included, sees only allowed tokens); raw
+log-softmax for logprobs; logit_bias; min_tokens masking; repetition penalty (HF semantics,
+over prompt + output), frequency and presence penalties (over output);
 greedy rows take the argmax here; the others go through temperature, min-p, top-k, top-p and an
 exponential-race draw (argmax of probs / Exp(1) noise, which samples from probs exactly).
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 _GREEDY_EPS = 1e-5
@@ -48,8 +52,16 @@ class SamplingMetadata:
     # min_tokens: (row, token id) pairs to mask to -inf.
     masked_rows: torch.Tensor | None = None
     masked_tokens: torch.Tensor | None = None
+    # logit_bias: (row, token id, value) triples added to the logits.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
     # The largest logprobs count asked for by any row (None: no row wants logprobs).
     max_num_logprobs: int | None = None
+    # Structured outputs: the rows under a grammar [M] int64 (None: every row) and their
+    # additive masks [M, vocab] (0 allowed, -inf not; grammar_bias()).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +95,41 @@ def apply_frequency_presence(logits: torch.Tensor, ids: torch.Tensor, frequency:
     counts = token_presence(ids, logits.shape[1]).to(logits.dtype)
     return (logits - frequency.unsqueeze(1) * counts
             - presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
+
+
+# Byte value -> the additive bias of its 8 tokens (bit i of the byte: token 8k + i allowed).
+_BYTE_BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in range(256)],
+                      dtype=np.float32)
+
+
+def grammar_bias(bitmask: npt.NDArray[np.int32], vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """Packed bitmask rows [M, ceil(V'/32)] int32 -> additive rows [M, vocab_size]: 0 where
+    a token is allowed, -inf where not. On the CPU a byte lookup (a masked_fill over a bool
+    mask costs ten times more); on an accelerator bit operations there."""
+    if device.type == "cpu":
+        bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8).reshape(-1), axis=0)
+        return torch.from_numpy(bias.reshape(bitmask.shape[0], -1))[:, :vocab_size]
+    return unpack_grammar_bias(torch.from_numpy(bitmask).to(device, non_blocking=True),
+                               vocab_size)
+
+
+def unpack_grammar_bias(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """grammar_bias() by tensor operations, on the packed rows' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(packed.shape[0], -1)
+    allowed = allowed[:, :vocab_size]
+    return torch.zeros(allowed.shape, device=packed.device).masked_fill_(~allowed,
+                                                                        float("-inf"))
+
+
+def apply_grammar_bias(logits: torch.Tensor, rows: torch.Tensor | None,
+                       bias: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens of the given rows (None: every row, in order) get -inf, in place
+    (the sampler's logits are its own: a large vocabulary makes a copy cost)."""
+    if rows is None:
+        return logits.add_(bias)
+    return logits.index_add_(0, rows, bias.contiguous())
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -120,10 +167,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if meta.grammar_bias is not None:
+            logits = apply_grammar_bias(logits, meta.grammar_rows, meta.grammar_bias)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        if (meta.bias_rows is not None and meta.bias_tokens is not None
+                and meta.bias_values is not None):
+            logits = logits.index_put((meta.bias_rows, meta.bias_tokens), meta.bias_values,
+                                      accumulate=True)
         if meta.masked_rows is not None and meta.masked_tokens is not None:
             logits = logits.index_put((meta.masked_rows, meta.masked_tokens),
                                       torch.tensor(float("-inf"), device=logits.device))

@@ -3,8 +3,12 @@
 The events are the shared vocabulary of slotserve.check.events (the exhaustive explorer uses
 the same ones): random arrivals with shared prefixes and priorities, aborts, streaming-session
 chunks (empty ones included) and ends, prefix-cache resets (with and without running
-requests), KV pressure that forces preemption, pipelined steps, failed model steps, idle
-sessions timing out, and model outputs with random stops. Every output is applied to the
+requests), KV pressure that forces preemption, pipelined steps, failed model steps and steps
+whose failure the worker isolated to one request, idle
+sessions giving up their slot past the grace period or over the cap of idle sessions, idle
+sessions timing out, and model outputs with random stops; some requests are under a grammar
+(complete after a few tokens, failing on one token), which the checker holds to exactly the
+tokens each request kept. Every output is applied to the
 checker's reference worker and to the real RequestSlots table. The machine ends with a drain:
 every session ended, every request finished, all blocks free, no slot held.
 """
@@ -24,17 +28,19 @@ from slotserve.check.events import (
     Arrive,
     Chunk,
     EndSession,
+    FailRequest,
     FailStep,
     Reset,
     Schedule,
     Tick,
     Update,
 )
+from slotserve.check.grammar import REJECTED
 from slotserve.check.harness import Harness
 from tests.helpers import make_scheduler
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
-TOKENS = [42, 43, 44, 45, STOP, EOS]
+TOKENS = [42, 43, 44, 45, STOP, EOS, REJECTED]
 EXAMPLES = int(os.environ.get("SLOTSERVE_FUZZ_EXAMPLES", "300"))
 
 
@@ -48,9 +54,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 3]),
+        max_idle=st.sampled_from([None, None, 0, 1]),
     )
     def setup(self, max_num_seqs: int, num_blocks: int, block_size: int, budget: int,
-              policy: str, chunked: bool, caching: bool, threshold: int) -> None:
+              policy: str, chunked: bool, caching: bool, threshold: int,
+              max_idle: int | None) -> None:
         max_model_len = 48
         if not chunked:
             budget = max(budget, max_model_len)
@@ -58,7 +66,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
-            long_prefill_token_threshold=threshold, streaming_session_timeout_s=30.0))
+            long_prefill_token_threshold=threshold, streaming_session_timeout_s=30.0,
+            idle_slot_grace_s=5.0, max_idle_sessions=max_idle))
 
     def _answer(self, data: st.DataObject) -> None:
         # One or two tokens per request whose prefill completed when it was scheduled.
@@ -72,16 +81,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------- rules
     @rule(prefix=st.sampled_from([None, 0, 1, 2]), tail=st.lists(st.integers(40, 60), max_size=12),
           priority=st.integers(0, 3), max_tokens=st.integers(1, 6),
-          resumable=st.booleans(), min_tokens=st.integers(0, 2), ignore_eos=st.booleans())
+          resumable=st.booleans(), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
+          grammar=st.sampled_from([0, 0, 1, 3]))
     def add_request(self, prefix: int | None, tail: list[int], priority: int, max_tokens: int,
-                    resumable: bool, min_tokens: int, ignore_eos: bool) -> None:
+                    resumable: bool, min_tokens: int, ignore_eos: bool, grammar: int) -> None:
         prompt = (PREFIXES[prefix] if prefix is not None else []) + tail
         self.h.apply(Arrive(tuple(prompt or [50]), max_tokens, priority, resumable,
-                            min_tokens, ignore_eos))
+                            min_tokens, ignore_eos, grammar))
 
     @precondition(lambda self: bool(self.h.open_sessions))
     @rule(data=st.data(), chunk=st.lists(st.integers(40, 60), max_size=6),
-          end=st.booleans(), max_tokens=st.integers(1, 5))
+          end=st.sampled_from([False, False, True]), max_tokens=st.integers(1, 5))
     def session_chunk(self, data: st.DataObject, chunk: list[int], end: bool,
                       max_tokens: int) -> None:
         k = data.draw(st.integers(0, len(self.h.open_sessions) - 1), label="session")
@@ -114,6 +124,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     def failed_step(self) -> None:
         self.h.apply(Schedule())
         self.h.apply(FailStep())
+
+    @rule(data=st.data())
+    def failed_request(self, data: st.DataObject) -> None:
+        # The worker isolates a failure to one request of the step; the others go on.
+        self.h.apply(Schedule())
+        n = len(self.h.in_flight[0][0].num_scheduled_tokens)
+        if n:
+            self.h.apply(FailRequest(data.draw(st.integers(0, n - 1), label="failed request")))
+        else:
+            self._answer(data)
+
+    @precondition(lambda self: bool(self.h.sched.sessions.idle))
+    @rule(newcomer=st.booleans())
+    def idle_past_grace(self, newcomer: bool) -> None:
+        # Idle sessions may now lose their slot to a waiting request (one arriving now, when
+        # newcomer: the case the grace period is for, made likelier than chance makes it).
+        if newcomer:
+            self.h.apply(Arrive(tuple(PREFIXES[2]), 2))
+        self.h.apply(Tick(self.h.sched.scheduler_config.idle_slot_grace_s + 1.0))
 
     @precondition(lambda self: bool(self.h.sched.sessions.idle))
     @rule()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from slotserve.check.events import STOP, Arrive, FailRequest, Schedule, Tick, Update
+from slotserve.check.explore import ExploreConfig, write_trace
+from slotserve.check.harness import Harness
 from slotserve.check.trace import TraceRecorder, replay
 from slotserve.core.outputs import ModelRunnerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -76,3 +79,29 @@ def test_idle_timeout_replays_at_the_same_step(tmp_path: Path) -> None:
     replayed, outs = replay(path)
     assert [sorted(o.finished_req_ids) for o in outs] == released
     assert "s" not in replayed.requests and "busy" in replayed.requests
+
+
+def test_failed_requests_and_idle_slot_reclaim_replay(tmp_path: Path) -> None:
+    """Issue 11's transitions replay from a trace: a request the worker failed alone (the
+    `failed` field of its update), and an idle session whose slot a waiting request takes
+    past the grace period (a clock the trace records), with logit_bias in the params."""
+    cfg = ExploreConfig(max_num_seqs=2, num_blocks=8, idle_slot_grace_s=2.0)
+    events = [Arrive((1, 3, 1), 2, resumable=True), Arrive((1, 3), 2), Schedule(),
+              FailRequest(1), Arrive((1, 3, 3), 2), Schedule(), Update(((STOP,), (1,))),
+              Arrive((3, 3), 2), Tick(3.0), Schedule()]
+    h = Harness(cfg.scheduler())
+    for e in events:
+        h.apply(e)
+    assert h.sched.sessions.num_slots_reclaimed == 1
+    path = str(tmp_path / "t.jsonl")
+    write_trace(cfg, events, path)
+    sched, outs = replay(path)
+    assert "r2" not in sched.requests  # failed alone
+    assert outs[-1].preempted_req_ids == {"r1"}  # the idle session's slot, taken
+    assert sorted(sched.slot_ledger.holders) == sorted(h.sched.slot_ledger.holders)
+    params = SamplingParams(logit_bias={5: 1.5})
+    rec = TraceRecorder(str(tmp_path / "b.jsonl"), sched.scheduler_config, sched.cache_config)
+    rec.add_request(Request("b", [1, 2], params))
+    rec.close()
+    replayed, _ = replay(str(tmp_path / "b.jsonl"))
+    assert replayed.requests["b"].sampling_params.logit_bias == {5: 1.5}

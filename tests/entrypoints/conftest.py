@@ -23,6 +23,7 @@ import uvicorn
 
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
+from slotserve.entrypoints.openai.limits import ServerLimits, uvicorn_config
 
 API_KEY = "test-key-123"
 MODEL_NAME = "slotserve-test"
@@ -62,14 +63,18 @@ class RunningServer:
         self.done.result(20)
 
 
-def start_server(loop: LoopThread, app: Any) -> RunningServer:
+def start_server(loop: LoopThread, app: Any, limits: ServerLimits | None = None
+                 ) -> RunningServer:
+    """The app behind uvicorn configured as `slotserve serve` configures it (the limits'
+    uvicorn options and connection deadlines)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sansio = importlib.util.find_spec("uvicorn.protocols.websockets.websockets_sansio_impl")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           ws="websockets-sansio" if sansio else "websockets"))
+    server = uvicorn.Server(uvicorn_config(
+        app, limits or app.state.limits, log_level="warning", lifespan="off",
+        ws="websockets-sansio" if sansio else "websockets"))
     done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop.loop)
     deadline = time.monotonic() + 20
     while not server.started:
@@ -159,7 +164,7 @@ def _serve(loop: LoopThread, mode: str) -> Iterator[Served]:
     engine = AsyncLLM.from_engine_args(**ENGINE_ARGS, engine_mode=mode, threads=1)
     app = build_app(engine, served_model_names=[MODEL_NAME], shutdown_engine=False)
     key_app = build_app(engine, served_model_names=[MODEL_NAME], api_key=API_KEY,
-                        shutdown_engine=False)
+                        enable_admin=True, shutdown_engine=False)
     main = start_server(loop, app)
     keyed = start_server(loop, key_app)
     try:

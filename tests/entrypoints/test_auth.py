@@ -11,6 +11,7 @@ from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Served
 PROTECTED = [("GET", "/v1/models"), ("GET", "/version"), ("GET", "/metrics"),
              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
              ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/reset_prefix_cache")]
+# (The keyed test server enables the admin endpoints; their key is the API key there.)
 
 
 @pytest.mark.parametrize(("method", "path"), PROTECTED)

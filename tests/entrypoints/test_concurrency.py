@@ -16,9 +16,12 @@ NUM_CLIENTS = 64
 MAX_TOKENS = 32
 
 
-async def one_client(http: httpx.AsyncClient, prompt: list[int], hang_up_after: int | None
-                     ) -> dict[str, Any]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+async def one_client(http: httpx.AsyncClient, user: str, prompt: list[int],
+                     hang_up_after: int | None) -> dict[str, Any]:
+    # Each client names itself (OpenAI's `user`): admission control shares the waiting room
+    # per client, and 64 requests from one client would be more than its share.
+    body = {"model": MODEL_NAME, "user": user, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "stream": True,
             "ignore_eos": True, "temperature": 0.7, "stream_options": {"include_usage": True}}
     chunks = 0
     usage = None
@@ -44,7 +47,8 @@ async def run_clients(url: str, prompts: list[list[int]], hang_ups: list[int | N
     limits = httpx.Limits(max_connections=NUM_CLIENTS * 2)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         return await asyncio.wait_for(asyncio.gather(*(
-            one_client(http, p, h) for p, h in zip(prompts, hang_ups, strict=True))), 180)
+            one_client(http, f"client-{i}", p, h)
+            for i, (p, h) in enumerate(zip(prompts, hang_ups, strict=True)))), 180)
 
 
 def test_64_streaming_clients_with_disconnects(any_mode: Served) -> None:

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, Served, scrape
+from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, Served, scrape
 
 PROMPT = "To be, or not to be, that is the question:"
 
@@ -197,9 +197,14 @@ def test_misc_endpoints(any_mode: Served) -> None:
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
     detok = httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()
     assert "Hello world" in detok["prompt"]
-    r = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=false")
+    # Administrative endpoints are off unless enabled (the keyed server enables them).
+    assert httpx.post(f"{url}/reset_prefix_cache").status_code == 404
+    admin = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{any_mode.key_url}/reset_prefix_cache?reset_running_requests=false",
+                   headers=admin)
     assert r.status_code == 200 and r.json()["success"] is True
-    r = httpx.post(f"{url}/reset_prefix_cache?reset_running_requests=true")
+    r = httpx.post(f"{any_mode.key_url}/reset_prefix_cache?reset_running_requests=true",
+                   headers=admin)
     assert r.status_code == 200
     metrics = httpx.get(f"{url}/metrics").text
     for name in ("slotserve:num_requests_running", "slotserve:num_requests_waiting",

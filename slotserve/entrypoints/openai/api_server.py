@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, ...)` returns the FastAPI app.
 
-Request bodies are read and validated here (size limit, JSON, strict pydantic models) rather
-than by FastAPI's body machinery, so every failure maps to one OpenAI-style 4xx and nothing
-malformed reaches the engine.
+Request bodies are read and validated here (size limit, read deadline, JSON, strict pydantic
+models) rather than by FastAPI's body machinery, so every failure maps to one OpenAI-style 4xx
+and nothing malformed reaches the engine. The server's limits are `limits.ServerLimits`
+(`limits.uvicorn_config` applies the connection-level ones); completions and chat go through
+admission control (`admission.py`). Administrative endpoints (`/reset_prefix_cache`) exist
+only when enabled, and then need the admin key (or the API key when there is no admin key).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -18,15 +22,20 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slotserve.entrypoints.async_llm import AsyncLLM
+from slotserve.entrypoints.openai.admission import AdmissionController, default_bounds
 from slotserve.entrypoints.openai.errors import (
     APIError,
+    ClientGone,
     bad_request,
+    engine_dead,
     from_pydantic_errors,
     install_exception_handlers,
 )
+from slotserve.entrypoints.openai.limits import ServerLimits
 from slotserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,12 +50,16 @@ from slotserve.entrypoints.openai.serving_chat import OpenAIServingChat, render_
 from slotserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from slotserve.entrypoints.openai.serving_engine import json_response
 from slotserve.entrypoints.openai.sessions import OpenAIServingSessions
+from slotserve.errors import ConfigError
 from slotserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 M = TypeVar("M", bound=BaseModel)
+# Off unless enabled (--enable-admin-endpoints); they need the admin key, not just any client's.
+ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+# Bodies larger than this are parsed off the event loop.
+OFF_LOOP_BODY_BYTES = 256 * 1024
 
 
 def slotserve_version() -> str:
@@ -56,24 +69,33 @@ def slotserve_version() -> str:
         return "0.0.0+unknown"
 
 
+def _authorization(scope: Scope) -> bytes:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            return bytes(value)
+    return b""
+
+
+def key_matches(scope: Scope, key: str) -> bool:
+    # Constant time, so the comparison leaks nothing about how much of the key matched.
+    return hmac.compare_digest(_authorization(scope), f"Bearer {key}".encode())
+
+
 class APIKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer KEY` (HTTP and WebSocket)."""
+    """Every path but /health (and the admin paths, which check their own key) needs
+    `Authorization: Bearer KEY` (HTTP and WebSocket)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope.get("path") == "/health":
+        path = scope.get("path")
+        if (scope["type"] not in ("http", "websocket") or path == "/health"
+                or path in ADMIN_PATHS):
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                given = value
-                break
-        # Constant time, so the comparison leaks nothing about how much of the key matched.
-        if hmac.compare_digest(given, self._expected):
+        if key_matches(scope, self._key):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
@@ -84,45 +106,84 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
-async def read_body(raw: Request, limit: int) -> bytes:
-    """The request body, refusing it (413) as soon as it is known to exceed `limit`."""
+async def read_body(raw: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refusing it (413) as soon as it is known to exceed `limit`, and
+    (408) when it has not arrived within `timeout_s` (a slow upload holds a connection and
+    a buffer). A client that leaves mid-upload ends the request quietly (ClientGone)."""
     length = raw.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit}",
                        code="request_too_large")
     parts: list[bytes] = []
     size = 0
-    async for part in raw.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes",
-                           code="request_too_large")
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in raw.stream():
+                size += len(part)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                                   code="request_too_large")
+                parts.append(part)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
     return b"".join(parts)
 
 
-async def parse_body(raw: Request, model: type[M], limit: int) -> M:
-    body = await read_body(raw, limit)
+async def parse_body(raw: Request, model: type[M], limits: ServerLimits,
+                     engine: AsyncLLM) -> M:
+    """The body as `model`. A large one is validated on the front's worker threads: a 6 MB
+    list of 800,000 ints takes 60 ms to validate, which the event loop should not wait."""
+    body = await read_body(raw, limits.max_body_bytes, limits.timeout_request_read_s)
     if not body.strip():
         raise bad_request("the request body is empty; a JSON object is expected", None,
                           "invalid_json")
     try:
+        if len(body) > OFF_LOOP_BODY_BYTES:
+            return await engine.run_off_loop(model.model_validate_json, body)
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_pydantic_errors(exc.errors()) from exc
 
 
+def make_admission(engine: AsyncLLM, limits: ServerLimits) -> AdmissionController:
+    sched = engine.engine.config.scheduler_config
+    seqs, tokens = default_bounds(sched.max_num_seqs, sched.max_num_batched_tokens,
+                                  sched.max_model_len)
+    # The engine's own waiting queue is FCFS: keeping it short (a quarter of the slots' worth
+    # of sequences that have not started) leaves the order to the front's round-robin.
+    return AdmissionController(limits.max_waiting_seqs or seqs,
+                               limits.max_waiting_tokens or tokens, limits.max_client_share,
+                               core_window=max(4, sched.max_num_seqs // 4),
+                               num_slots=sched.max_num_seqs)
+
+
 def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
               api_key: str | None = None, metrics: ServerMetrics | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown_engine: bool = True) -> FastAPI:
+              limits: ServerLimits | None = None, enable_admin: bool = False,
+              admin_api_key: str | None = None, shutdown_engine: bool = True,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The app. `api_key` and `admin_api_key` must not be empty strings (an empty key would
+    read as no key: the caller refuses it); the admin endpoints need one of them.
+    `tool_call_parser` names the tool-call format (hermes, llama3_json) when the chat
+    template does not show one."""
+    if api_key == "" or admin_api_key == "":
+        raise ConfigError("an API key must not be empty")
+    admin_key = admin_api_key or api_key
+    if enable_admin and not admin_key:
+        raise ConfigError("admin endpoints need a key: give --admin-api-key or --api-key")
+    limits = limits or ServerLimits()
     names = list(served_model_names)
     if metrics is None:
         metrics = engine.metrics if engine.metrics is not None else ServerMetrics(names[0])
         engine.metrics = metrics
-    completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
-    sessions = OpenAIServingSessions(engine, names)
+    admission = make_admission(engine, limits)
+    metrics.admission = admission
+    completion = OpenAIServingCompletion(engine, names, admission)
+    chat = OpenAIServingChat(engine, names, admission, tool_call_parser)
+    sessions = OpenAIServingSessions(engine, names, admission)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -136,12 +197,13 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.admission = admission
+    app.state.limits = limits
 
     @app.get("/health")
     async def health() -> Response:
         if engine.errored:
-            return APIError(503, f"the engine is dead: {engine.dead_error}",
-                            code="engine_dead").response()
+            return engine_dead(503).response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -155,31 +217,33 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        req = await parse_body(raw, CompletionRequest, max_body_bytes)
+        req = await parse_body(raw, CompletionRequest, limits, engine)
         return await completion.create_completion(req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        req = await parse_body(raw, ChatCompletionRequest, max_body_bytes)
+        req = await parse_body(raw, ChatCompletionRequest, limits, engine)
         return await chat.create_chat_completion(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        req = await parse_body(raw, TokenizeRequest, max_body_bytes)
+        req = await parse_body(raw, TokenizeRequest, limits, engine)
         completion.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            tokens = render_chat(engine.tokenizer, req.messages,
-                                 add_generation_prompt=req.add_generation_prompt)
+            tokens = await engine.run_off_loop(
+                render_chat, engine.processor, req.messages,
+                add_generation_prompt=req.add_generation_prompt)
         else:
-            tokens = engine.tokenize(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            tokens = await engine.run_off_loop(engine.tokenize, req.prompt or "",
+                                               add_special_tokens=req.add_special_tokens)
         return json_response(TokenizeResponse(count=len(tokens), tokens=tokens,
                                               max_model_len=engine.max_model_len))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        req = await parse_body(raw, DetokenizeRequest, max_body_bytes)
+        req = await parse_body(raw, DetokenizeRequest, limits, engine)
         completion.check_model(req.model)
         vocab = engine.processor.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
@@ -193,8 +257,25 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
             metrics.stats = await engine.get_stats()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if enable_admin:
+        assert admin_key is not None
+        _add_admin_routes(app, engine, admin_key)
+
+    @app.websocket("/v1/sessions")
+    async def session(ws: WebSocket) -> None:
+        await sessions.handle(ws)
+
+    return app
+
+
+def _add_admin_routes(app: FastAPI, engine: AsyncLLM, admin_key: str) -> None:
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: str = "false") -> Response:
+    async def reset_prefix_cache(raw: Request, reset_running_requests: str = "false"
+                                 ) -> Response:
+        if not key_matches(raw.scope, admin_key):
+            return APIError(401, "administrative endpoints need the admin key (send "
+                            "Authorization: Bearer ADMIN_KEY).",
+                            code="invalid_api_key").response()
         flag = reset_running_requests.strip().lower()
         if flag not in ("true", "false", "1", "0"):
             raise bad_request("reset_running_requests must be true or false",
@@ -205,9 +286,3 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
                             "(pass reset_running_requests=true to preempt running requests)",
                             code="prefix_cache_in_use").response()
         return JSONResponse({"success": True})
-
-    @app.websocket("/v1/sessions")
-    async def session(ws: WebSocket) -> None:
-        await sessions.handle(ws)
-
-    return app

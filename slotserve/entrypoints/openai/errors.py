@@ -7,12 +7,13 @@ clients (the official `openai` package among them) can parse it the same way.
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,6 +28,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -39,19 +41,26 @@ class APIError(Exception):
     """An error that becomes an HTTP response with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None) -> None:
+                 code: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type_ or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):  # noqa: N818 - a condition, not an error of ours
+    """The client disconnected before its request was answered: a 499 without a body, and
+    one debug log line (a dropped client is not the server's error)."""
 
 
 def error_body(message: str, type_: str, param: str | None = None,
@@ -109,8 +118,22 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ValidationError):
         return from_pydantic_errors(exc.errors())
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is dead: {exc}", code="engine_dead")
-    return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+        return engine_dead(503)
+    return internal_error(exc)
+
+
+def engine_dead(status: int) -> APIError:
+    return APIError(status, "the engine has stopped and cannot serve requests",
+                    code="engine_dead")
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """An unexpected failure: the client gets an id to quote, the log gets the details (an
+    exception's text and module paths are the server's business, not the client's)."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s: %s: %s", error_id, type(exc).__name__, exc,
+                 exc_info=exc)
+    return APIError(500, f"internal server error (error id {error_id})", code="internal_error")
 
 
 def install_exception_handlers(app: FastAPI) -> None:
@@ -129,9 +152,14 @@ def install_exception_handlers(app: FastAPI) -> None:
         return from_pydantic_errors(list(exc.errors())).response()
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        logger.error("unhandled error on %s %s", request.method, request.url.path)
         return from_exception(exc).response()
 
+    async def on_client_gone(request: Request, _: Exception) -> Response:
+        logger.debug("client went away during %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_api_error)
     app.add_exception_handler(ValidationError, on_api_error)

@@ -13,7 +13,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from slotserve.sampling_params import SamplingParams
+from slotserve.entrypoints.openai.protocol_structured import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolChoice,
+)
+from slotserve.errors import RequestValidationError
+from slotserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 def random_uuid() -> str:
@@ -50,6 +59,10 @@ class _SamplingFields(OpenAIBaseModel):
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's: token id (a JSON object key, so a string) -> bias added to its logit.
+    logit_bias: dict[str, float] | None = None
+    # Structured outputs (vLLM's extra field; OpenAI's response_format is on the requests).
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         # SamplingParams validates every range and raises RequestValidationError naming the
@@ -72,7 +85,22 @@ class _SamplingFields(OpenAIBaseModel):
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_token_keys(self.logit_bias),
+            structured_outputs=(self.structured_outputs.to_params()
+                                if self.structured_outputs is not None else None),
         )
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:  # before converting a huge map
+        raise RequestValidationError(f"at most {MAX_LOGIT_BIAS} logit_bias entries, got "
+                                     f"{len(bias)}", "logit_bias")
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise RequestValidationError("logit_bias keys must be token ids", "logit_bias") from None
 
 
 # ---------------------------------------------------------------------------- completions
@@ -90,6 +118,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.logprobs)
@@ -151,6 +180,8 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # An assistant turn's calls, sent back with the tools' results ("tool" messages).
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -172,6 +203,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are sent.
@@ -201,6 +236,7 @@ class ChatChoiceLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -223,6 +259,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -291,6 +328,8 @@ class SessionChunk(_SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # Who the session is for admission control (the first chunk's; else the peer address).
+    user: str | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.logprobs)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
-from slotserve.engine.processor import ProcessedRequest, apply_chat_template
+from slotserve.engine.processor import ProcessedRequest, Processor
+from slotserve.entrypoints.async_llm import AsyncLLM
+from slotserve.entrypoints.openai.admission import AdmissionController
 from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
@@ -25,6 +28,12 @@ from slotserve.entrypoints.openai.protocol import (
     DeltaMessage,
     random_uuid,
 )
+from slotserve.entrypoints.openai.protocol_structured import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from slotserve.entrypoints.openai.serving_engine import (
     ChoiceState,
     OpenAIServing,
@@ -32,24 +41,58 @@ from slotserve.entrypoints.openai.serving_engine import (
     merge_generators,
     sse,
 )
+from slotserve.entrypoints.openai.structured import (
+    ToolContext,
+    rename_param,
+    response_constraint,
+    tool_context,
+)
+from slotserve.entrypoints.openai.tool_calls import ToolCallDelta, ToolCallParser, detect_format
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Messages -> prompt token ids through the tokenizer's chat template."""
+def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates read it: tool calls with their arguments as objects
+    (templates write them with tojson), tool results with their call's id."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for k, call in enumerate(m.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as exc:
+                raise bad_request(f"the arguments of a tool call are not JSON: {exc}",
+                                  f"messages.{index}.tool_calls.{k}.function.arguments"
+                                  ) from exc
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        message["tool_calls"] = calls
+    return message
+
+
+def render_chat(processor: Processor, messages: list[ChatMessage], *,
+                add_generation_prompt: bool, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Messages -> prompt token ids through the tokenizer's chat template (call it off the
+    event loop: templating and tokenization take time); `tools` go to the template too."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and (add_generation_prompt or messages[-1].role != "assistant"):
         raise bad_request("continue_final_message needs add_generation_prompt=false and a "
                           "final assistant message", "continue_final_message")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [template_message(m, i) for i, m in enumerate(messages)]
+    if tools:
+        template_kwargs = {**(template_kwargs or {}), "tools": tools}
     try:
-        prompt = apply_chat_template(tokenizer, conversation, add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     template_kwargs=template_kwargs)
+        prompt = processor.render_chat(conversation, add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       template_kwargs=template_kwargs)
     except RequestValidationError as exc:
         raise bad_request(exc.message, exc.param) from exc
     return prompt["prompt_token_ids"]
@@ -63,26 +106,62 @@ def _chat_param_names(req: ChatCompletionRequest,
         err.param = "top_logprobs"
     elif err.param == "max_tokens" and req.max_completion_tokens is not None:
         err.param = "max_completion_tokens"
+    elif err.param == "prompt":  # the prompt is the rendered messages
+        err.param = "messages"
     return err
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 admission: AdmissionController | None = None,
+                 tool_call_parser: str | None = None) -> None:
+        super().__init__(engine, served_model_names, admission)
+        # How this model writes tool calls: the flag's format, else its chat template's.
+        tokenizer = engine.tokenizer
+        self.tool_format = detect_format(getattr(tokenizer, "chat_template", None),
+                                         tool_call_parser, tokenizer.get_added_vocab())
+
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         request_id = f"chatcmpl-{random_uuid()}"
-        try:
-            params = req.to_sampling_params(req.requested_max_tokens())
-            prompt_ids = render_chat(self.engine.tokenizer, req.messages,
-                                     add_generation_prompt=req.add_generation_prompt,
-                                     continue_final_message=req.continue_final_message,
-                                     template_kwargs=req.chat_template_kwargs)
-            processed = self.prepare(prompt_ids, params, request_id, req.priority)
-        except (RequestValidationError, APIError) as exc:
-            raise _chat_param_names(req, exc) from exc
+        await self.precheck(raw, req.user)
+        tools: ToolContext | None = None
+
+        def prepare() -> ProcessedRequest:
+            nonlocal tools
+            try:
+                # Tools and constraints are checked here too, off the event loop: checking a
+                # large schema takes a while.
+                tools = tool_context(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                     self.tool_format)
+                constraint = response_constraint(req.response_format, req.structured_outputs)
+                if tools is not None and tools.constraint is not None:
+                    if constraint is not None:
+                        raise bad_request("response_format and structured_outputs cannot be "
+                                          "combined with tool calls (tool_choice 'auto', "
+                                          "'required' or a function)", "response_format")
+                    constraint = tools.constraint
+                params = req.to_sampling_params(req.requested_max_tokens())
+                if constraint is not None:
+                    params = params.clone(structured_outputs=constraint)
+                prompt_ids = render_chat(self.engine.processor, req.messages,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         template_kwargs=req.chat_template_kwargs,
+                                         tools=tools.template_tools if tools else None)
+                return self.prepare(prompt_ids, params, request_id, req.priority)
+            except (RequestValidationError, APIError) as exc:
+                raise rename_param(_chat_param_names(req, exc), req.response_format) from exc
+
+        # Templating and tokenization happen off the event loop; then the request waits
+        # for its turn.
+        processed = await self.engine.run_off_loop(prepare)
+        ticket = await self.admit(raw, req.user, [processed])
         outputs = merge_generators([self.engine.generate(processed)])
-        return await self.respond(raw, req, processed, request_id, model, outputs)
+        return await self.respond_admitted(raw, req, (processed, tools), request_id, model,
+                                           ticket, outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int) -> ChatChoiceLogProbs:
@@ -97,32 +176,39 @@ class OpenAIServingChat(OpenAIServing):
                 bytes=list(token.encode()), top_logprobs=top))
         return ChatChoiceLogProbs(content=content)
 
-    async def _collect(self, req: ChatCompletionRequest, processed: ProcessedRequest,
+    async def _collect(self, req: ChatCompletionRequest,
+                       request: tuple[ProcessedRequest, ToolContext | None],
                        request_id: str, created: int, model: str,
                        outputs: Outputs
                        ) -> ChatCompletionResponse:
+        processed, tools = request
         states = [ChoiceState() for _ in range(req.n)]
         cached = 0
         async for _, out in outputs:
             cached = out.num_cached_tokens
             for c in out.outputs:
                 states[c.index].add(c, keep=True)
-        choices = [ChatCompletionResponseChoice(
-            index=k, message=ChatResponseMessage(content="".join(st.text_parts)),
-            logprobs=(self._logprobs(st.token_ids, st.logprobs, req.top_logprobs or 0)
-                      if req.logprobs else None),
-            finish_reason=st.finish_reason, stop_reason=st.stop_reason)
-            for k, st in enumerate(states)]
+        choices = []
+        for k, st in enumerate(states):
+            message, finish = _reply(tools, "".join(st.text_parts), st.finish_reason)
+            choices.append(ChatCompletionResponseChoice(
+                index=k, message=message,
+                logprobs=(self._logprobs(st.token_ids, st.logprobs, req.top_logprobs or 0)
+                          if req.logprobs else None),
+                finish_reason=finish, stop_reason=st.stop_reason))
         usage = self.usage(len(processed.prompt_token_ids),
                            sum(st.num_tokens for st in states), cached)
         return ChatCompletionResponse(id=request_id, created=created, model=model,
                                       choices=choices, usage=usage)
 
-    def _frames(self, req: ChatCompletionRequest, processed: ProcessedRequest,
+    def _frames(self, req: ChatCompletionRequest,
+                request: tuple[ProcessedRequest, ToolContext | None],
                 request_id: str, created: int, model: str,
                 first: tuple[int, RequestOutput],
                 rest: Outputs) -> AsyncIterator[str]:
+        processed, tools = request
         states = [ChoiceState() for _ in range(req.n)]
+        parsers = [tools.parser() if tools is not None else None for _ in range(req.n)]
         num_prompt = len(processed.prompt_token_ids)
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage
@@ -147,12 +233,24 @@ class OpenAIServingChat(OpenAIServing):
                 if st.finish_reason is not None and not st.finish_sent:
                     st.finish_sent = True
                     finish = st.finish_reason
-                if not c.text and finish is None and not (req.logprobs and c.token_ids):
+                delta = DeltaMessage(content=c.text or None)
+                parser = parsers[c.index]
+                if parser is not None:
+                    parsed = parser.feed(c.text)
+                    if finish is not None:
+                        tail = parser.finish()
+                        parsed.content += tail.content
+                        if finish == "stop" and parser.complete_calls:
+                            finish = "tool_calls"
+                    delta = DeltaMessage(content=parsed.content or None,
+                                         tool_calls=_delta_calls(parser, parsed) or None)
+                if (delta.content is None and delta.tool_calls is None and finish is None
+                        and not (req.logprobs and c.token_ids)):
                     continue
                 logprobs = (self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                             if req.logprobs else None)
                 frames.append(chunk([ChatCompletionResponseStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    index=c.index, delta=delta,
                     logprobs=logprobs, finish_reason=finish,
                     stop_reason=st.stop_reason if finish else None)]))
             return frames
@@ -167,3 +265,39 @@ class OpenAIServingChat(OpenAIServing):
         opening = [chunk([ChatCompletionResponseStreamChoice(
             index=k, delta=DeltaMessage(role="assistant", content=""))]) for k in range(req.n)]
         return self.sse_frames(opening, first, rest, frames_for, usage)
+
+
+def _reply(tools: ToolContext | None, text: str,
+           finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+    """The message of a whole reply, and its finish reason ("tool_calls" when it made calls
+    and the grammar completed)."""
+    parser = tools.parser() if tools is not None else None
+    if parser is None:
+        return ChatResponseMessage(content=text), finish_reason
+    parser.feed(text)
+    parser.finish()
+    calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in parser.complete_calls]
+    # A call that max_tokens cut short is not returned as a call (it would not parse); its
+    # text stays in the content, so nothing the model wrote is lost.
+    text = parser.content + parser.tail
+    content = None if calls and not text.strip() else text
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return ChatResponseMessage(content=content, tool_calls=calls), finish_reason
+
+
+def _delta_calls(parser: ToolCallParser, parsed: ToolCallDelta) -> list[DeltaToolCall]:
+    """OpenAI's streamed tool calls: the first delta of a call has its id and name, the
+    following ones pieces of its arguments."""
+    out = []
+    for index in sorted(set(parsed.started) | set(parsed.arguments)):
+        arguments = parsed.arguments.get(index)
+        if index in parsed.started:
+            out.append(DeltaToolCall(index=index, id=parser.calls[index].id, type="function",
+                                     function=DeltaFunctionCall(name=parsed.started[index],
+                                                                arguments=arguments or "")))
+        elif arguments:
+            out.append(DeltaToolCall(index=index,
+                                     function=DeltaFunctionCall(arguments=arguments)))
+    return out

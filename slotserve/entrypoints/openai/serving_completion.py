@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
-from slotserve.entrypoints.openai.errors import bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -23,9 +23,12 @@ from slotserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     Outputs,
     check_prompt_count,
+    check_sequence_count,
     merge_generators,
     sse,
 )
+from slotserve.entrypoints.openai.structured import rename_param, response_constraint
+from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 
 
@@ -52,12 +55,27 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported", "echo")
         prompts = normalize_prompts(req.prompt)
+        check_sequence_count(len(prompts), req.n)
+        await self.precheck(raw, req.user)
         params = req.to_sampling_params(req.max_tokens)
+        constraint = response_constraint(req.response_format, req.structured_outputs)
         request_id = f"cmpl-{random_uuid()}"
-        processed = [self.prepare(p, params, f"{request_id}-{i}", req.priority)
-                     for i, p in enumerate(prompts)]
+
+        def prepare_all() -> list[ProcessedRequest]:
+            try:
+                constrained = (params.clone(structured_outputs=constraint)
+                               if constraint is not None else params)
+                return [self.prepare(p, constrained, f"{request_id}-{i}", req.priority)
+                        for i, p in enumerate(prompts)]
+            except (RequestValidationError, APIError) as exc:
+                raise rename_param(exc, req.response_format) from exc
+
+        # Tokenization happens off the event loop; then the request waits for its turn.
+        processed = await self.engine.run_off_loop(prepare_all)
+        ticket = await self.admit(raw, req.user, processed)
         outputs = merge_generators([self.engine.generate(p) for p in processed])
-        return await self.respond(raw, req, processed, request_id, model, outputs)
+        return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
+                                           outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int, text_offset: int) -> CompletionLogProbs:

@@ -18,7 +18,14 @@ from starlette.types import Receive, Scope, Send
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
 from slotserve.entrypoints.async_llm import AsyncLLM, RequestFailedError
-from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
+from slotserve.entrypoints.openai.admission import AdmissionController, Ticket, client_key
+from slotserve.entrypoints.openai.errors import (
+    APIError,
+    ClientGone,
+    bad_request,
+    engine_dead,
+    from_exception,
+)
 from slotserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from slotserve.errors import EngineDeadError
 from slotserve.outputs import CompletionOutput, RequestOutput
@@ -27,8 +34,10 @@ from slotserve.sampling_params import SamplingParams
 T = TypeVar("T")
 # (prompt index, delta output) from every engine request behind one API request.
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
-# Prompts in one completions request; each becomes its own engine request (times n).
+# Prompts in one completions request; each becomes its own engine request (times n), and
+# the sequences of one request (prompts x n) are bounded as well.
 MAX_PROMPTS_PER_REQUEST = 256
+MAX_SEQS_PER_REQUEST = 256
 
 
 @dataclass(slots=True)
@@ -57,10 +66,12 @@ class ChoiceState:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: Sequence[str],
+                 admission: AdmissionController | None = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.max_model_len
+        self.admission = admission
         self._token_text: dict[int, str] = {}
 
     def check_model(self, model: str | None) -> str:
@@ -76,8 +87,7 @@ class OpenAIServing:
         """Validate and tokenize one prompt; raises before anything reaches the engine."""
         if self.engine.errored:
             # New work gets 503 once the engine is dead (requests it was running got 500).
-            raise APIError(503, f"the engine is dead: {self.engine.dead_error}",
-                           code="engine_dead")
+            raise engine_dead(503)
         processed = self.engine.process_request(prompt, params, request_id, priority=priority)
         n_prompt = len(processed.prompt_token_ids)
         # The engine would clip max_tokens to the context; the API refuses instead, as
@@ -88,6 +98,59 @@ class OpenAIServing:
                 f"the model's context length of {self.max_model_len} tokens", "max_tokens",
                 "context_length_exceeded")
         return processed
+
+    # ----- admission ---------------------------------------------------------------------------
+
+    @staticmethod
+    def client_of(raw: Request, user: str | None) -> str:
+        return client_key(user, raw.client.host if raw.client is not None else None)
+
+    async def precheck(self, raw: Request, user: str | None) -> None:
+        """429 before tokenizing when the client has no room left at all."""
+        if self.admission is not None:
+            client = self.client_of(raw, user)
+            await self._refusing(client, self.admission.precheck, client)
+
+    async def _refusing(self, client: str, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args); a 429 it raises is held back if the client was refused a moment ago."""
+        assert self.admission is not None
+        try:
+            return fn(*args)
+        except APIError as exc:
+            if exc.status == 429:
+                delay = self.admission.refusal_delay(client)
+                if delay:
+                    await asyncio.sleep(delay)
+            raise
+
+    async def admit(self, raw: Request, user: str | None,
+                    processed: Sequence[ProcessedRequest]) -> Ticket | None:
+        """Wait for this request's turn (admission.py); raises a 429 APIError past the
+        bounds; raises ClientGone when the client went away meanwhile."""
+        if self.admission is None:
+            return None
+        seqs = sum(len(p.requests) for p in processed)
+        tokens = sum(len(r.prompt_token_ids) + (r.sampling_params.max_tokens or 0)
+                     for p in processed for r in p.requests)
+        client = self.client_of(raw, user)
+        ticket = await self._refusing(client, self.admission.admit, client, seqs, tokens)
+        if await until_disconnected(raw, self.admission.wait(ticket)) is None:
+            self.admission.finished(ticket)
+            raise ClientGone()
+        return ticket
+
+    async def respond_admitted(self, raw: Request, req: Any, processed: Any, request_id: str,
+                               model: str, ticket: Ticket | None, outputs: Outputs) -> Response:
+        """respond(), with the ticket marked started at the first output and finished at
+        the end (also when the outputs were never read: a client gone at once)."""
+        if ticket is None or self.admission is None:
+            return await self.respond(raw, req, processed, request_id, model, outputs)
+        try:
+            return await self.respond(raw, req, processed, request_id, model,
+                                      self.admission.track(ticket, outputs))
+        finally:
+            if ticket.state == "released":
+                self.admission.finished(ticket)
 
     # ----- logprobs ---------------------------------------------------------------------------
 
@@ -214,11 +277,13 @@ def stream_error(exc: BaseException) -> str:
 
 def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RequestFailedError):
-        return APIError(500, str(exc), code="model_step_failed")
+        # What failed is in the server's log under this request id, not in the response.
+        return APIError(500, f"request {exc.request_id} failed in the model step",
+                        code="model_step_failed")
     if isinstance(exc, EngineDeadError):
-        return APIError(500, f"the engine failed and cannot continue: {exc}",
-                        code="engine_dead")
+        return engine_dead(500)
     return from_exception(exc)
+
 
 
 async def until_disconnected(raw: Request, awaitable: Awaitable[T]) -> T | None:
@@ -291,3 +356,9 @@ def check_prompt_count(count: int) -> None:
     if count > MAX_PROMPTS_PER_REQUEST:
         raise bad_request(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {count}",
                           "prompt")
+
+
+def check_sequence_count(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQS_PER_REQUEST:
+        raise bad_request(f"{num_prompts} prompts x n={n} is {num_prompts * n} sequences; at "
+                          f"most {MAX_SEQS_PER_REQUEST} per request", "n")

@@ -2,16 +2,23 @@
 
 Protocol (JSON text messages):
   client -> server  {"type": "input", "prompt": "text" | [token ids], "max_tokens": 16, ...}
-                    (any sampling field of /v1/completions except n, stop and stream)
+                    (any sampling field of /v1/completions except n, stop and stream; the
+                    first chunk's prompt may not be empty, a later one may: generate more)
                     {"type": "end"}  finish the session after the chunks sent so far
   server -> client  {"type": "session.created", "id", "model"}
                     {"type": "delta", "chunk": i, "text", "token_ids"[, "logprobs"]}
                     {"type": "chunk.done", "chunk": i, "finish_reason", "stop_reason", "usage"}
-                    {"type": "session.done", "usage"}            then the socket closes (1000)
-                    {"type": "error", "error": {...}}            a refused message; the session
-                                                                 goes on, unless "fatal" is true
-Each chunk is validated here before it reaches the engine. A dropped connection cancels the
-session's generator, which aborts the session in the engine and frees its blocks and slot.
+                    {"type": "session.done", "usage", "reason", "message"}  then the socket
+                        closes (1000); reason: "end" (the client's), "idle_timeout" (no input
+                        for the idle timeout), "length" (the session outgrew the context)
+                    {"type": "error", "error": {...}, "fatal": bool}  a refused message (the
+                        session goes on) or, fatal, a failed session (the socket closes, 1011)
+Each chunk is validated (and tokenized, off the event loop) here before it reaches the engine.
+A binary frame, any message after "end", and a chunk while 64 wait already are refused with an
+error message. A message over
+the server's size limit closes the socket with 1009 (uvicorn's ws_max_size). A dropped
+connection cancels the session's generator, which aborts the session in the engine and frees
+its blocks and slot; it is logged once, at debug level.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -28,19 +36,51 @@ from pydantic import ValidationError
 
 from slotserve.core.sessions import kept_output_tokens
 from slotserve.entrypoints.async_llm import StreamingInput
+from slotserve.entrypoints.openai.admission import Ticket, client_key
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
+from slotserve.errors import RequestValidationError
 
 logger = logging.getLogger(__name__)
 
-# Chunks accepted but not yet applied; a client far ahead of the engine waits for room.
+# Chunks accepted but not yet applied; past it a chunk is refused (too_many_chunks).
 MAX_QUEUED_CHUNKS = 64
+# A refused message's error reply must be taken within this (else the client is dropped).
+ERROR_SEND_TIMEOUT_S = 2.0
+# Why the engine ended a session the client had not ended, as session.done tells it.
+END_REASONS = {"abort": "idle_timeout", "length": "length"}
+# Sending to or receiving from a client that has gone raises one of these (Starlette's, or
+# the ASGI server's after the socket closed); _send and _receive turn them into _Gone.
+_SOCKET_ERRORS = (WebSocketDisconnect, RuntimeError, OSError)
+
+
+class _Gone(Exception):  # noqa: N818 - a condition
+    """The client has gone: nothing more can be sent to it."""
+
+
+async def _send(ws: WebSocket, message: dict[str, Any], timeout: float | None = None) -> None:
+    """Send, or raise _Gone: the client has gone, or (with a timeout) has not read its
+    messages for that long while sending more (a client flooding a session without reading
+    its replies would otherwise block the reader, which could then never see it leave)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await ws.send_json(message)
+    except (*_SOCKET_ERRORS, TimeoutError) as exc:
+        raise _Gone() from exc
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A validated chunk and its admission ticket (None without admission control)."""
+
+    chunk: StreamingInput
+    ticket: Ticket | None
 
 
 class _SessionState:
     __slots__ = ("num_chunks", "held_tokens", "chunk_prompt_lens", "total_prompt",
-                 "total_completion")
+                 "total_completion", "ended", "gone", "client", "tickets")
 
     def __init__(self) -> None:
         self.num_chunks = 0
@@ -51,6 +91,13 @@ class _SessionState:
         self.chunk_prompt_lens: list[int] = []
         self.total_prompt = 0
         self.total_completion = 0
+        # The client sent "end": anything after it is refused.
+        self.ended = False
+        # The client went away (seen by the reader or by a failed send).
+        self.gone = False
+        # Admission control: who the session is for, and each chunk's ticket, in order.
+        self.client = ""
+        self.tickets: list[Ticket] = []
 
 
 class OpenAIServingSessions(OpenAIServing):
@@ -58,42 +105,109 @@ class OpenAIServingSessions(OpenAIServing):
         await ws.accept()
         session_id = f"sess-{random_uuid()}"
         state = _SessionState()
-        inputs: asyncio.Queue[StreamingInput | None] = asyncio.Queue(MAX_QUEUED_CHUNKS)
-        await ws.send_json({"type": "session.created", "id": session_id,
-                            "model": self.served_model_names[0]})
+        state.client = client_key(None, ws.client.host if ws.client is not None else None)
+        inputs: asyncio.Queue[_Queued | None] = asyncio.Queue(MAX_QUEUED_CHUNKS)
+        try:
+            await _send(ws, {"type": "session.created", "id": session_id,
+                             "model": self.served_model_names[0]})
+        except _Gone:
+            return
         writer = asyncio.ensure_future(self._write(ws, session_id, state, inputs))
         reader = asyncio.ensure_future(self._read(ws, state, inputs))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            if reader in done and reader.result() is False:
-                # The client went away: cancelling the writer aborts the session.
-                writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, WebSocketDisconnect):
+            if reader in done:
+                outcome = reader.result()
+                if outcome == "gone":
+                    # The client went away: cancelling the writer aborts the session.
+                    state.gone = True
+                    writer.cancel()
+                elif outcome == "idle":
+                    writer.cancel()
+                    await self._finish(ws, session_id, state, "idle_timeout",
+                                       "no input arrived within the idle timeout")
+            with contextlib.suppress(asyncio.CancelledError, _Gone):
                 await writer
         finally:
             reader.cancel()
             writer.cancel()
             await asyncio.gather(reader, writer, return_exceptions=True)
+            if self.admission is not None:
+                for ticket in state.tickets:
+                    self.admission.finished(ticket)
+            if state.gone:
+                logger.debug("session %s: the client went away", session_id)
+
+    def _idle_timeout(self) -> float:
+        return self.engine.engine.config.scheduler_config.streaming_session_timeout_s
 
     async def _read(self, ws: WebSocket, state: _SessionState,
-                    inputs: asyncio.Queue[StreamingInput | None]) -> bool:
-        """Validate client messages into chunks; False when the client disconnected."""
-        try:
-            while True:
-                raw = await ws.receive_text()
+                    inputs: asyncio.Queue[_Queued | None]) -> str:
+        """Validate client messages into chunks until the client goes ("gone"), or until the
+        idle timeout passes before a first chunk ("idle"; later the engine times the session
+        out itself)."""
+        while True:
+            try:
+                async with asyncio.timeout(None if state.num_chunks else self._idle_timeout()):
+                    message = await ws.receive()
+            except TimeoutError:
+                return "idle"
+            except _SOCKET_ERRORS:
+                return "gone"
+            if message["type"] == "websocket.disconnect":
+                return "gone"
+            text = message.get("text")
+            try:
+                if text is None:
+                    raise bad_request("binary frames are not accepted: send JSON text messages",
+                                      None, "unsupported_frame")
+                if state.ended:
+                    raise bad_request("the session has ended: no input is taken after 'end'",
+                                      None, "session_ended")
+                parsed = await self.engine.run_off_loop(self._parse, text, state)
+                queued = None if parsed is None else self._admit(state, *parsed)
+                if queued is not None and inputs.full():
+                    # Refused rather than waited for: the reader keeps draining the socket,
+                    # so a client that floods and leaves is noticed at once.
+                    if queued.ticket is not None and self.admission is not None:
+                        self.admission.finished(queued.ticket)
+                    raise bad_request(f"{MAX_QUEUED_CHUNKS} chunks are waiting already: wait "
+                                      "for a chunk.done before sending more", None,
+                                      "too_many_chunks")
+                if queued is not None:
+                    chunk = queued.chunk
+                    state.num_chunks += 1
+                    state.held_tokens += len(chunk.prompt)
+                    state.chunk_prompt_lens.append(len(chunk.prompt))
+                    if queued.ticket is not None:
+                        state.tickets.append(queued.ticket)
+            except (APIError, ValidationError, RequestValidationError, ValueError) as exc:
+                err = from_exception(exc)
                 try:
-                    chunk = self._parse(raw, state)
-                except (APIError, ValidationError, ValueError) as exc:
-                    err = from_exception(exc)
-                    await ws.send_json({"type": "error", **err.body(), "fatal": False})
-                    continue
-                await inputs.put(chunk)
-                if chunk is None:
-                    return True
-        except WebSocketDisconnect:
-            return False
+                    await _send(ws, {"type": "error", **err.body(), "fatal": False},
+                                ERROR_SEND_TIMEOUT_S)
+                except _Gone:
+                    return "gone"
+                continue
+            await inputs.put(queued)
+            if queued is None:
+                state.ended = True
 
-    def _parse(self, raw: str, state: _SessionState) -> StreamingInput | None:
+    def _admit(self, state: _SessionState, chunk: StreamingInput,
+               user: str | None) -> _Queued:
+        """Each chunk is work like a completion's: it goes through admission control (a 429
+        comes back as an error message), counted for the session's client."""
+        if self.admission is None:
+            return _Queued(chunk, None)
+        if state.num_chunks == 0 and user:
+            state.client = client_key(user, None)
+        params = chunk.sampling_params
+        tokens = len(chunk.prompt) + ((params.max_tokens if params else None) or 0)
+        # (No delayed refusal here, unlike HTTP: the reader must keep draining the socket.)
+        return _Queued(chunk, self.admission.admit(state.client, 1, tokens))
+
+    def _parse(self, raw: str, state: _SessionState
+               ) -> tuple[StreamingInput, str | None] | None:
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -112,55 +226,77 @@ class OpenAIServingSessions(OpenAIServing):
             raise bad_request("sessions support only n=1", "n")
         params = msg.to_sampling_params(msg.max_tokens)
         first = state.num_chunks == 0
+        # One rule for an empty prompt, as for /v1/completions: the first chunk may not be
+        # empty (before tokenization: its BOS alone would look like a prompt).
         prompt = self.engine.processor.tokenize_chunk(msg.prompt, first)
-        if first and not prompt:
-            raise bad_request("the first chunk's prompt is empty", "prompt")
         self.engine.processor.process(
             "session-check", prompt, params, resumable=True,
             continuation_of=None if first else state.held_tokens)
-        state.num_chunks += 1
-        state.held_tokens += len(prompt)
-        state.chunk_prompt_lens.append(len(prompt))
-        return StreamingInput(prompt=prompt, sampling_params=params)
+        return StreamingInput(prompt=prompt, sampling_params=params), msg.user
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
-                     inputs: asyncio.Queue[StreamingInput | None]) -> None:
+                     inputs: asyncio.Queue[_Queued | None]) -> None:
+        admission = self.admission
+
         async def chunks() -> AsyncIterator[StreamingInput]:
             while (item := await inputs.get()) is not None:
-                yield item
+                if item.ticket is not None and admission is not None:
+                    await admission.wait(item.ticket)  # its turn, among every client's work
+                yield item.chunk
+
+        def ticket(index: int) -> Ticket | None:
+            return state.tickets[index] if index < len(state.tickets) else None
 
         chunk_index = 0
         chunk_tokens = 0
+        reason, message = "end", None
         try:
             async for out in self.engine.generate(chunks(), request_id=session_id):
                 c = out.outputs[0]
                 chunk_tokens += len(c.token_ids)
+                current = ticket(chunk_index)
+                if current is not None and admission is not None:
+                    admission.started(current)
                 if c.text or c.token_ids:
                     msg: dict[str, Any] = {"type": "delta", "chunk": chunk_index,
                                            "text": c.text, "token_ids": c.token_ids}
                     if c.logprobs is not None:
                         msg["logprobs"] = [entry.get(t) for t, entry in
                                            zip(c.token_ids, c.logprobs, strict=False)]
-                    await ws.send_json(msg)
-                if c.finish_reason is not None:
-                    await ws.send_json(self._chunk_done(state, chunk_index, chunk_tokens,
-                                                        c.finish_reason, c.stop_reason))
+                    await _send(ws, msg)
+                if out.finished and not state.ended:
+                    # The engine ended a session the client had not ended.
+                    reason = END_REASONS.get(c.finish_reason or "", c.finish_reason or "end")
+                    message = c.finish_message
+                if c.finish_reason is not None and (c.token_ids or not out.finished
+                                                    or chunk_index < state.num_chunks):
+                    if current is not None and admission is not None:
+                        admission.finished(current)
+                    await _send(ws, self._chunk_done(state, chunk_index, chunk_tokens,
+                                                     c.finish_reason, c.stop_reason))
                     state.held_tokens += kept_output_tokens(chunk_tokens)
                     chunk_index += 1
                     chunk_tokens = 0
-        except WebSocketDisconnect:
-            raise
+        except _Gone:
+            state.gone = True
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the client, then closed
-            logger.warning("session %s failed: %s", session_id, exc)
+            logger.warning("session %s failed: %s", session_id, type(exc).__name__)
             err = to_api_error(exc)
             # The client may be gone already (a failed send is what raised).
             with contextlib.suppress(Exception):
                 await ws.send_json({"type": "error", **err.body(), "fatal": True})
                 await ws.close(code=1011)
             return
-        await ws.send_json({"type": "session.done", "id": session_id, "usage": _usage(
-            state.total_prompt, state.total_completion)})
-        await ws.close(code=1000)
+        await self._finish(ws, session_id, state, reason, message)
+
+    async def _finish(self, ws: WebSocket, session_id: str, state: _SessionState,
+                      reason: str, message: str | None) -> None:
+        with contextlib.suppress(_Gone, *_SOCKET_ERRORS):
+            await _send(ws, {"type": "session.done", "id": session_id, "usage": _usage(
+                state.total_prompt, state.total_completion), "reason": reason,
+                "message": message})
+            await ws.close(code=1000)
 
     @staticmethod
     def _chunk_done(state: _SessionState, index: int, num_tokens: int, finish_reason: str,

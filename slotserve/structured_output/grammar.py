@@ -1,0 +1,84 @@
+"""A request's constraint (StructuredOutputsParams) as one llguidance grammar text.
+
+The text is the cache key of a compiled grammar and what crosses from the engine's front to
+its core. Built and checked in the front, before a request reaches the core, so a malformed
+schema, an unsupported regex feature or a broken Lark grammar is a RequestValidationError
+(HTTP 400) naming the field, with the library's message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import llguidance
+
+from slotserve.errors import RequestValidationError
+from slotserve.sampling_params import StructuredOutputsParams
+
+
+def json_schema_grammar(schema: dict[str, Any], *, compact: bool = True) -> str:
+    """Compact: JSON written with the schema's structure only, no whitespace between tokens
+    (a schema may still ask for more in its "x-guidance" options)."""
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": not compact})
+
+
+def lark_string(text: str) -> str:
+    """A Lark string literal matching exactly `text` (Lark reads JSON's escapes)."""
+    return json.dumps(text)
+
+
+def _schema(spec: StructuredOutputsParams) -> dict[str, Any]:
+    schema = spec.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise RequestValidationError(f"the JSON schema is not valid JSON: {exc}",
+                                         "structured_outputs.json") from exc
+    if not isinstance(schema, dict):
+        raise RequestValidationError("a JSON schema must be an object",
+                                     "structured_outputs.json")
+    return schema
+
+
+def grammar_text(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """(the llguidance grammar, the field it came from) for one constraint."""
+    compact = spec.disable_any_whitespace
+    if spec.json is not None:
+        try:
+            return (json_schema_grammar(_schema(spec), compact=compact),
+                    "structured_outputs.json")
+        except ValueError as exc:
+            raise RequestValidationError(f"invalid JSON schema: {exc}",
+                                         "structured_outputs.json") from exc
+    if spec.json_object:
+        return json_schema_grammar({"type": "object"}, compact=compact), \
+            "structured_outputs.json_object"
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex), "structured_outputs.regex"
+    if spec.choice is not None:
+        lark = "start: " + " | ".join(lark_string(c) for c in spec.choice)
+        return llguidance.LLMatcher.grammar_from_lark(lark), "structured_outputs.choice"
+    assert spec.grammar is not None  # StructuredOutputsParams holds exactly one
+    return llguidance.LLMatcher.grammar_from_lark(spec.grammar), "structured_outputs.grammar"
+
+
+@functools.lru_cache(maxsize=1024)
+def grammar_error(grammar: str) -> str:
+    """The library's complaint about a grammar ('' when it is valid), without a tokenizer:
+    syntax, schema and regex features, size limits. Cached: clients resend the same schema."""
+    return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def checked_grammar(spec: StructuredOutputsParams) -> str:
+    """The grammar text of a constraint, or RequestValidationError with the library's
+    message naming the field."""
+    grammar, param = grammar_text(spec)
+    error = grammar_error(grammar)
+    if error:
+        raise RequestValidationError(f"invalid {param.rsplit('.', 1)[-1]} constraint: "
+                                     f"{error.strip()}", param)
+    return grammar

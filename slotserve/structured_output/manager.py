@@ -1,0 +1,207 @@
+"""StructuredOutputManager (vLLM's name): compiles grammars off the step loop, caches them by
+their text, and fills each step's token bitmask.
+
+- `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
+  background thread (llguidance drops the GIL while it builds), so the step loop never waits
+  for one; a cached text (success or failure) answers at once. A compile that fails, or takes
+  longer than `compile_timeout_s` (from when it starts: the tokenizer, built once on the
+  same thread at startup, does not count), fails with GrammarCompileError carrying the
+  library's message, and the same text fails the same way afterwards.
+- `grammar_bitmask(requests, scheduler_output)` builds the GrammarOutput of a step: one row
+  per request that samples in it and has a grammar, filled from the matchers the scheduler
+  advanced. With `overlap=True` the rows are filled on a helper thread while the forward
+  pass runs (the engine's default when the model runs on an accelerator); the worker waits
+  for them just before sampling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+import numpy.typing as npt
+
+from slotserve.core.outputs import GrammarOutput, SchedulerOutput
+from slotserve.core.request import Request
+from slotserve.core.structured_output import StructuredOutputRequest
+from slotserve.structured_output.backend import (
+    GrammarCompileError,
+    GuidanceBackend,
+    GuidanceGrammar,
+    allocate_bitmask,
+)
+
+CompiledGrammar = llguidance.LLMatcher
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StructuredOutputStats:
+    """Cumulative: grammars compiled (cache misses) and the seconds they took; bitmask rows
+    filled, the seconds spent filling them, and the part of that the step loop waited for
+    (all of it without overlap; only what the forward pass did not hide with it)."""
+
+    num_compiled: int = 0
+    compile_s: float = 0.0
+    num_mask_rows: int = 0
+    mask_fill_s: float = 0.0
+    mask_wait_s: float = 0.0
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: GuidanceBackend, max_num_seqs: int, *,
+                 compile_timeout_s: float = 10.0, max_cached: int = 512,
+                 overlap: bool = True) -> None:
+        self.backend = backend
+        self.compile_timeout_s = compile_timeout_s
+        self.max_cached = max_cached
+        self.overlap = overlap
+        self.stats = StructuredOutputStats()
+        # Called (on the compile thread) when a compile starts and when it ends: wakes an idle
+        # step loop, which then knows the compile's deadline, or admits its requests.
+        self.on_progress: Callable[[], None] | None = None
+        self._started: dict[str, float] = {}
+        self._cache: OrderedDict[str, CompiledGrammar | GrammarCompileError] = OrderedDict()
+        self._inflight: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+        self._compiler = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="slotserve-grammar")
+        self._filler = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="slotserve-bitmask") if overlap else None)
+        self._max_num_seqs = max_num_seqs
+        self._bitmask: npt.NDArray[np.int32] | None = None
+
+    # ----- compiling ---------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Build the tokenizer on the compile thread now, before the first grammar needs it
+        (a second or more for a large vocabulary)."""
+        def build() -> None:
+            try:
+                self.backend.prepare()
+            except Exception as exc:  # noqa: BLE001 - the first grammar reports it
+                logger.warning("structured outputs will be unavailable: %s", exc)
+
+        self._compiler.submit(build)
+
+    def compile_deadline(self, grammar: str) -> float | None:
+        """When a compile that has started must be done (monotonic seconds); None before it
+        starts."""
+        with self._lock:
+            started = self._started.get(grammar)
+        return None if started is None else started + self.compile_timeout_s
+
+    def request_grammar(self, grammar: str) -> concurrent.futures.Future[CompiledGrammar]:
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                done: concurrent.futures.Future[CompiledGrammar] = concurrent.futures.Future()
+                if isinstance(cached, GrammarCompileError):
+                    done.set_exception(cached)
+                else:
+                    done.set_result(cached)
+                return done
+            future = self._inflight.get(grammar)
+            if future is None:
+                future = self._compiler.submit(self._compile, grammar)
+                self._inflight[grammar] = future
+            return future
+
+    def _compile(self, grammar: str) -> CompiledGrammar:
+        result: CompiledGrammar | GrammarCompileError
+        start = time.monotonic()
+        try:
+            self.backend.prepare()  # built once, outside any grammar's time
+            start = time.monotonic()
+            with self._lock:
+                self._started[grammar] = start
+            self._progress()
+            result = self.backend.compile(grammar)
+        except GrammarCompileError as exc:
+            result = exc
+        except Exception as exc:  # noqa: BLE001 - a library failure fails this grammar only
+            result = GrammarCompileError(f"{type(exc).__name__}: {exc}")
+        took = time.monotonic() - start
+        if not isinstance(result, GrammarCompileError) and took > self.compile_timeout_s:
+            result = GrammarCompileError(
+                f"compiling the grammar took {took:.1f} s, more than the limit of "
+                f"{self.compile_timeout_s:g} s")
+        with self._lock:
+            self.stats.num_compiled += 1
+            self.stats.compile_s += took
+            self._cache[grammar] = result
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+            self._inflight.pop(grammar, None)
+            self._started.pop(grammar, None)
+        self._progress()
+        if isinstance(result, GrammarCompileError):
+            raise result
+        return result
+
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def make_request(self, compiled: CompiledGrammar) -> StructuredOutputRequest:
+        """A fresh matcher for one request (a copy of the compiled one, in its start state)."""
+        return StructuredOutputRequest(GuidanceGrammar(compiled.deep_copy()))
+
+    # ----- bitmasks ----------------------------------------------------------------------------
+
+    def grammar_bitmask(self, requests: Mapping[str, Request],
+                        scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The rows of the requests that sample in this step (their prefill completes) and
+        have a grammar, in the order of num_scheduled_tokens."""
+        rows: list[tuple[str, GuidanceGrammar]] = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            r = requests.get(rid)
+            # schedule() advanced num_computed_tokens already: equal means it samples.
+            if (r is None or r.structured_output_request is None
+                    or r.num_computed_tokens < r.num_tokens):
+                continue
+            grammar = r.structured_output_request.grammar
+            assert isinstance(grammar, GuidanceGrammar)
+            rows.append((rid, grammar))
+        if not rows:
+            return None
+        if self._bitmask is None:
+            self._bitmask = allocate_bitmask(self._max_num_seqs,
+                                             self.backend.ll_tokenizer.vocab_size)
+        bitmask = self._bitmask[:len(rows)]
+        ids = [rid for rid, _ in rows]
+        if self._filler is None:
+            self._fill(rows, bitmask)
+            return GrammarOutput(ids, bitmask)
+        future = self._filler.submit(self._fill, rows, bitmask)
+
+        def wait() -> None:
+            start = time.perf_counter()
+            future.result()
+            self.stats.mask_wait_s += time.perf_counter() - start
+
+        return GrammarOutput(ids, bitmask, wait)
+
+    def _fill(self, rows: list[tuple[str, GuidanceGrammar]],
+              bitmask: npt.NDArray[np.int32]) -> None:
+        start = time.perf_counter()
+        for i, (_, grammar) in enumerate(rows):
+            grammar.fill_bitmask(bitmask, i)
+        took = time.perf_counter() - start
+        self.stats.num_mask_rows += len(rows)
+        self.stats.mask_fill_s += took
+        if self._filler is None:
+            self.stats.mask_wait_s += took
+
+    def shutdown(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
+        if self._filler is not None:
+            self._filler.shutdown(wait=False, cancel_futures=True)

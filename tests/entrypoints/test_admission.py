@@ -1,0 +1,162 @@
+"""Admission control (issue 11, item 6): bounds on waiting sequences and tokens with 429 and
+Retry-After, a per-client share, and round-robin release so that one client's burst cannot
+starve another client's first token."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from slotserve.entrypoints.openai.admission import ACTIVE_LINGER_S, AdmissionController
+from slotserve.entrypoints.openai.api_server import build_app
+from slotserve.entrypoints.openai.errors import APIError
+from slotserve.entrypoints.openai.limits import ServerLimits
+from tests.entrypoints.conftest import MODEL_NAME, Served, start_server
+
+
+def _controller(**kw: Any) -> AdmissionController:
+    args = {"max_waiting_seqs": 100, "max_waiting_tokens": 10_000, "max_client_share": 0.5,
+            "core_window": 1, "num_slots": 100, **kw}
+    return AdmissionController(**args)  # type: ignore[arg-type]
+
+
+def test_release_is_round_robin_over_clients() -> None:
+    async def run() -> list[str]:
+        adm = _controller()
+        order: list[str] = []
+        burst = [adm.admit("burst", 1, 10) for _ in range(6)]
+        late = adm.admit("late", 1, 10)
+        other = adm.admit("other", 1, 10)
+        tickets = {id(t): name for t, name in zip(
+            [*burst, late, other], [f"burst{i}" for i in range(6)] + ["late", "other"],
+            strict=True)}
+        pending = [*burst, late, other]
+        while pending:
+            released = next(t for t in pending if t.released.done())
+            order.append(tickets[id(released)])
+            pending.remove(released)
+            adm.started(released)  # its first token: the next one may go
+            adm.finished(released)
+        return order
+
+    order = asyncio.run(run())
+    # FCFS would put "late" and "other" after all six: here they wait behind one each.
+    assert order[:4] == ["burst0", "burst1", "late", "other"], order
+    assert order[4:] == ["burst2", "burst3", "burst4", "burst5"]
+
+
+def test_a_client_holds_its_share_of_slots_while_others_wait() -> None:
+    async def run() -> None:
+        adm = _controller(core_window=1, num_slots=4)  # a client's share: 2 slots
+        a = [adm.admit("a", 1, 10) for _ in range(3)]
+        assert [t.state for t in a] == ["released", "queued", "queued"]
+        adm.started(a[0])
+        assert a[1].state == "released"  # a holds 2 slots now: its share
+        b = adm.admit("b", 1, 10)
+        adm.started(a[1])
+        # a is at its share and b waits: b goes first.
+        assert b.state == "released" and a[2].state == "queued"
+        adm.started(b)
+        adm.finished(b)
+        # b has just finished: a closed-loop client between requests still counts.
+        assert a[2].state == "queued"
+        adm.last_done["b"] -= ACTIVE_LINGER_S + 0.1
+        adm._dispatch()
+        # Nobody else is active: a may use more than its share (work-conserving).
+        assert a[2].state == "released"
+        for t in a:
+            adm.finished(t)
+        assert not adm.in_engine and not adm.waiting.seqs
+
+    asyncio.run(run())
+
+
+def test_bounds_share_and_retry_after() -> None:
+    async def run() -> None:
+        adm = _controller(max_waiting_seqs=10, max_waiting_tokens=1000)
+        # Larger than one client's share (5 sequences, 500 tokens) by itself: never fits.
+        for seqs, tokens in ((6, 10), (1, 501)):
+            with pytest.raises(APIError, match="split it") as e:
+                adm.admit("a", seqs, tokens)
+            assert e.value.status == 400 and e.value.code == "request_too_large"
+        first = adm.admit("a", 5, 100)
+        with pytest.raises(APIError, match="this client has too much work") as e:
+            adm.admit("a", 1, 10)  # a's share is 5 sequences
+        assert e.value.status == 429 and e.value.code == "too_many_requests"
+        assert e.value.headers == {"Retry-After": "1"}  # nothing has started yet
+        heavy = adm.admit("b", 5, 100)  # b at its share too: the room (10) is full
+        # A light client (within an equal split among the clients waiting) may overfill the
+        # room, up to twice its size; a heavier one may not.
+        light = [adm.admit("c", 3, 10)]  # 3 <= 10 // 3
+        with pytest.raises(APIError, match="the server has too much work"):
+            adm.admit("d", 3, 10)  # 3 > 10 // 4
+        light += [adm.admit("d", 2, 10), adm.admit("e", 2, 10)]  # 17 waiting
+        with pytest.raises(APIError, match="the server has too much work"):
+            adm.admit("f", 2, 10)  # 2 > 10 // 6
+        # A cancelled or finished request frees its room at once.
+        adm.finished(first)
+        assert adm.admit("f", 2, 10).state in ("queued", "released")
+        for t in (heavy, *light):
+            adm.finished(t)
+        assert adm.num_refused == 3
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def crowded(served: Served) -> Iterator[str]:
+    """The shared engine (24 slots, so at most 6 sequences that have not started wait in it)
+    behind a server that lets 80 sequences wait, 40 per client."""
+    app = build_app(served.engine, served_model_names=[MODEL_NAME], shutdown_engine=False,
+                    limits=ServerLimits(max_waiting_seqs=80))
+    server = start_server(served.loop, app)
+    try:
+        yield server.base_url
+    finally:
+        server.stop()
+        served.wait_drained()
+
+
+async def _stream(http: httpx.AsyncClient, user: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": MODEL_NAME, "prompt": [1, 500, 501, 502], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "user": user}
+    start = time.monotonic()
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code, "retry_after": r.headers.get("retry-after")}
+        first = None
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and first is None:
+                first = time.monotonic()
+        assert first is not None
+        return {"status": 200, "first": first, "start": start}
+
+
+def test_a_burst_gets_429s_and_does_not_starve_another_client(crowded: str) -> None:
+    async def run() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=crowded, timeout=120, limits=limits) as http:
+            # Different lengths: the burst's slots free one by one, as in real traffic.
+            burst = [asyncio.ensure_future(_stream(http, "burst", 20 + 6 * i))
+                     for i in range(60)]
+            await asyncio.sleep(0.2)
+            late = await _stream(http, "late", 4)
+            return list(await asyncio.gather(*burst)), late
+
+    burst, late = asyncio.run(run())
+    refused = [b for b in burst if b["status"] == 429]
+    served = sorted(b["first"] for b in burst if b["status"] == 200)
+    # 40 may wait at a time (the client's share of 80): the rest of the burst is told to
+    # come back later.
+    assert refused and all(int(b["retry_after"]) >= 1 for b in refused)
+    assert len(served) >= 40
+    assert late["status"] == 200
+    # The late client's first token does not wait for the burst's queue to drain: it goes
+    # round-robin, behind at most one more of the burst's requests.
+    assert late["first"] < served[-1], (late["first"] - late["start"])
