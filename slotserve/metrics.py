@@ -15,7 +15,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,6 +50,14 @@ _GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
      lambda s: s.kv_cache_usage),
     ("num_slots_held", "Worker slots held (running requests, idle and promoted sessions).",
      lambda s: s.num_slots_held),
+    ("model_weights_bytes", "Bytes of model weights in memory (quantized blocks included).",
+     lambda s: s.weights_bytes),
+    ("model_quantized_weights_bytes", "Bytes of weights kept in their quantized block format.",
+     lambda s: s.quantized_weights_bytes),
+    ("kv_cache_bytes", "Bytes allocated for the KV cache (its pages become resident as blocks "
+     "are first used).", lambda s: s.kv_cache_bytes),
+    ("engine_resident_memory_bytes", "Resident memory of the engine core's process (the "
+     "serving process's own is process_resident_memory_bytes).", lambda s: s.resident_bytes),
 )
 _COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -109,6 +123,7 @@ class ServerMetrics:
         self.admission: Any = None
         self._lock = threading.Lock()
         self.registry.register(_EngineStatsCollector(self))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds
         lab = ["model_name"]
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Time from arrival to the first generated token.", lab,

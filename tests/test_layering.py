@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slotserve"
 # Lowest first. Module prefixes; the longest match places a module.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Shared records every layer may use.
-    ("base", ("slotserve.errors", "slotserve.config", "slotserve.sampling_params")),
+    ("base", ("slotserve.errors", "slotserve.config", "slotserve.sampling_params",
+              "slotserve.memory")),
     # The scheduler-to-worker messages (DESIGN.md section 2): the contract between the two
     # layers sits beneath both, so the worker reads it without importing the scheduler.
     ("contract", ("slotserve.core.outputs",)),

@@ -2,8 +2,9 @@
 to the compute dtype (with `gguf`'s own numpy kernels, except Q8_0, below); torch tensors are
 only cast.
 
-Keeping this a single function is deliberate: keeping weights quantized in memory replaces
-this step for the tensors a quantized kernel can run, and nothing else.
+Keeping this a single function is deliberate: keeping weights quantized in memory
+(`models/quantization.py`) replaces this step, for the tensors a quantized kernel can run,
+with `copy_blocks`, and nothing else.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ def _q8_0(data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
         blocks = torch.from_numpy(np.ascontiguousarray(data)).view(-1, 34)
     scale = blocks[:, :2].contiguous().view(torch.float16).float()
     return blocks[:, 2:].contiguous().view(torch.int8).float().mul_(scale).view(shape)
+
+
+def gguf_type(tensor: CheckpointTensor) -> int | None:
+    """The GGML type id of a tensor still in its GGUF form (None for a torch tensor)."""
+    return None if isinstance(tensor, torch.Tensor) else int(tensor.ggml_type)
+
+
+def copy_blocks(tensor: GGUFTensor, out: torch.Tensor) -> None:
+    """Copy a block-typed tensor's bytes, as stored, into `out` (uint8 [rows, bytes per row]
+    on the CPU): the weight then lives in memory of its own, not in the file's map."""
+    data = tensor.data.reshape(out.shape)
+    np.copyto(out.numpy(), data, casting="no")
 
 
 def materialize(tensor: CheckpointTensor, dtype: torch.dtype) -> torch.Tensor:

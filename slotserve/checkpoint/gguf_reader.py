@@ -20,6 +20,13 @@ class GGUFWeightsReader:
         self.config = config
         self.source = str(file.path)
 
+    def tensor_types(self, names: Collection[str]) -> dict[str, int]:
+        """Hugging Face name -> GGML type id of the stored tensor, for the names given that
+        the file holds (read from the index: no tensor data is touched)."""
+        to_hf = gguf_names(self.file.architecture, self.config.num_hidden_layers, names)
+        return {hf: int(self.file.tensors[g].ggml_type) for g, hf in to_hf.items()
+                if g in self.file.tensors}
+
     def weights(self, names: Collection[str]) -> Iterator[tuple[str, GGUFTensor]]:
         arch = self.file.architecture
         to_hf = gguf_names(arch, self.config.num_hidden_layers, names)

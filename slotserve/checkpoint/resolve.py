@@ -25,6 +25,10 @@ if TYPE_CHECKING:  # torch stays unimported until weights are read
 class WeightsReader(Protocol):
     source: str
 
+    def tensor_types(self, names: Collection[str]) -> dict[str, int]:
+        """Hugging Face name -> GGML type id, for the tensors stored in a GGUF type."""
+        ...
+
     def weights(self, names: Collection[str]) -> Iterator[tuple[str, CheckpointTensor]]:
         """(Hugging Face name, tensor) pairs; `names` are the ones the model loads."""
         ...

@@ -42,6 +42,11 @@ class SafetensorsReader:
         self.source = str(folder)
         self.files = weight_files(folder)
 
+    def tensor_types(self, names: Collection[str]) -> dict[str, int]:
+        """No tensor of a safetensors folder is in a GGUF block type."""
+        del names
+        return {}
+
     def weights(self, names: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of every file (the names a model wants do not narrow it: the model
         ignores what it has no parameter for)."""

@@ -53,6 +53,9 @@ class EngineArgs:
     seed: int | None = None
     # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
     native_attention: bool = True
+    # "auto": a GGUF file's quantized weights stay quantized where a native kernel runs them
+    # (models/quantization.py); "none": every weight is dequantized at load.
+    quantization: Literal["auto", "none"] = "auto"
     # Structured outputs: a request whose grammar is not compiled within this many seconds
     # is refused. Bitmask rows are filled on a helper thread while the forward pass runs
     # (True), or on the step loop before it (False); None: overlapped when the model runs on
@@ -79,6 +82,9 @@ class EngineArgs:
             given["trace_path"] = os.environ[TRACE_ENV]
         if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
             given["native_attention"] = False
+        if given.get("quantization", "auto") not in ("auto", "none"):
+            raise ConfigError(f"quantization must be 'auto' or 'none', got "
+                              f"{given['quantization']!r}")
         return cls(**given)
 
     def model_path(self) -> str:

@@ -93,6 +93,12 @@ class EngineStats(SchedulerStats):
     num_grammar_mask_rows: int = 0
     grammar_mask_fill_s: float = 0.0
     grammar_mask_wait_s: float = 0.0
+    # Memory of the core: the model's weights (quantized blocks included) and the KV cache
+    # allocation in bytes, and the core process's resident set when the stats were taken.
+    weights_bytes: int = 0
+    quantized_weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    resident_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -51,6 +51,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
+    parser.add_argument("--quantization", choices=("auto", "none"), default=None,
+                        help="auto (default): keep a GGUF file's quantized weights where a "
+                        "kernel runs them; none: dequantize every weight at load")
     parser.add_argument("--check", action="store_true",
                         help="run the scheduler/worker invariant checker every step")
     parser.add_argument("--threads", type=int, default=None,
@@ -64,7 +67,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
         "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": not args.no_prefix_caching, "policy": args.policy,
-        "check": args.check or None,
+        "check": args.check or None, "quantization": args.quantization,
     }
 
 
@@ -234,7 +237,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    threads = set_threads(args.threads)
+    if args.engine_mode == "process":
+        # Only the engine child runs torch: importing it here too would cost the server
+        # process about 200 MB of resident memory for nothing.
+        threads = args.threads if args.threads and args.threads > 0 else default_num_threads()
+    else:
+        threads = set_threads(args.threads)
     try:
         engine = AsyncLLM.from_engine_args(
             **engine_kwargs_from_args(args),

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotserve.checkpoint.dequant import CheckpointTensor
 from slotserve.models.attention import AttentionMetadataMap
 from slotserve.models.config import ModelConfig
 from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache, RMSNorm
@@ -79,8 +80,8 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
             if isinstance(module, GemmaRMSNorm):
                 module.weight.data = module.weight.data.float()
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name.endswith("norm.weight"):  # every norm: input, post/pre/q/k, the final one
+    def checkpoint_tensor(self, name: str, tensor: CheckpointTensor) -> CheckpointTensor:
+        if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):  # every norm: input, post/pre/q/k, the final one
             return 1.0 + tensor.to(self.dtype).float()
         return tensor
 

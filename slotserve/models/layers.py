@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slotserve.checkpoint.dequant import CheckpointTensor
 from slotserve.models.attention import (
     AttentionBackend,
     AttentionMetadataMap,
@@ -27,7 +28,13 @@ from slotserve.models.attention import (
     paged_attention,
 )
 from slotserve.models.config import ModelConfig, RopeConfig
-from slotserve.models.weight_utils import PackedMapping, ShardedLinear, load_packed_weights
+from slotserve.models.quantization import QuantizedEmbedding, QuantizedLinear
+from slotserve.models.weight_utils import (
+    NamedTensors,
+    PackedMapping,
+    ShardedLinear,
+    load_packed_weights,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 KVCaches = list[KVCache]
@@ -219,6 +226,7 @@ class DecoderForCausalLM(nn.Module):
         self.rope_cos = self.rope_sin = torch.empty(0)
         self.rope_local_cos = self.rope_local_sin = torch.empty(0)
         self.attn_backend: AttentionBackend | None = None
+        self._logits = torch.empty(0, cfg.vocab_size)  # see compute_logits
 
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -232,11 +240,11 @@ class DecoderForCausalLM(nn.Module):
         """Cast the parameters to the compute dtype (a model may keep some in float32)."""
         self.to(dtype=dtype)
 
-    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def checkpoint_tensor(self, name: str, tensor: CheckpointTensor) -> CheckpointTensor:
         """HF checkpoint tensor `name` as this model's parameter holds it (here: as is)."""
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    def load_weights(self, weights: NamedTensors, source: str) -> None:
         """Fill every parameter from Hugging Face-named checkpoint tensors."""
         tied = self.config.tie_word_embeddings
 
@@ -317,9 +325,27 @@ class DecoderForCausalLM(nn.Module):
                 h = layer(h, cos, sin, kv_cache, attn_metadata)
         return h
 
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        buf = self._logits
+        if buf.shape[0] < rows or buf.device != self.model.embed_tokens.weight.device:
+            buf = torch.empty(rows, self.config.vocab_size, dtype=torch.float32,
+                              device=self.model.embed_tokens.weight.device)
+            self._logits = buf
+        return buf[:rows]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head for the selected rows only; logits in float32."""
-        logits = F.linear(self.model.norm(hidden), self.output_weight)
+        """Final norm + LM head for the selected rows only; logits in float32. With a
+        quantized LM head the result is a view of a buffer the next call overwrites."""
+        h = self.model.norm(hidden)
+        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if isinstance(head, QuantizedEmbedding | QuantizedLinear):
+            # The logits of a large vocabulary (Gemma: 1 MB a row) go into one buffer kept
+            # across steps: fresh pages for them would be faulted in and zeroed every step.
+            # The sampler only reads them within the step.
+            logits = self._logits_buffer(h.shape[0])
+            head.project(h, out=logits)
+        else:
+            logits = F.linear(h, self.output_weight)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -2,9 +2,11 @@
 
 No network and no transformers: `resolve_checkpoint` reads the config and opens a weights
 reader; the model is built on the meta device (no memory spent on random initialisation),
-materialized on the target device, and filled by its own `load_weights` from the reader's
-named tensors, each dequantized/cast to the compute dtype on the way (`materialize`). Every
-failure is a `ModelLoadError` naming the file.
+its layers whose GGUF tensors a native kernel runs are swapped for quantized ones
+(`quantization="auto"`, models/quantization.py), it is materialized on the target device, and
+filled by its own `load_weights` from the reader's named tensors: those kept quantized as
+stored, every other one dequantized/cast to the compute dtype on the way (`materialize`).
+Every failure is a `ModelLoadError` naming the file.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ import torch
 from slotserve.checkpoint import resolve_checkpoint
 from slotserve.checkpoint.dequant import materialize
 from slotserve.errors import ModelLoadError
+from slotserve.memory import trim_heap
 from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
+from slotserve.models.quantization import (
+    QuantizationMode,
+    check_mode,
+    describe,
+    quantize_modules,
+    weight_memory,
+)
 from slotserve.models.registry import model_class
 from slotserve.models.weight_utils import checkpoint_names
 
@@ -39,7 +49,11 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, max_positions: int | None = None,
+               quantization: QuantizationMode | str = "auto",
                ) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """`quantization`: "auto" keeps what a native kernel runs in the file's blocks, "none"
+    dequantizes every tensor (the reference path)."""
+    mode = check_mode(quantization)
     ckpt = resolve_checkpoint(path)
     cfg = ckpt.config
     model_cls = model_class(cfg.architecture)
@@ -48,15 +62,21 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     with torch.device("meta"):
         model = model_cls(cfg)
     model.to_dtype(torch_dtype)
-    model = model.to_empty(device=dev)
     names = [ckpt_name for parts in checkpoint_names(model).values() for ckpt_name, _ in parts]
-    weights = ((name, materialize(t, torch_dtype)) for name, t in ckpt.reader.weights(names))
+    kept = quantize_modules(model, ckpt.reader.tensor_types(names), mode, torch_dtype, dev)
+    model = model.to_empty(device=dev)
+    weights = ((name, t if name in kept else materialize(t, torch_dtype))
+               for name, t in ckpt.reader.weights(names))
     model.load_weights(weights, source=ckpt.reader.source)
+    trim_heap()  # what dequantizing and converting tensors allocated on the way
     model.eval()
     model.requires_grad_(False)
     model.init_rope(max_positions or cfg.max_position_embeddings)
-    logger.info("loaded %s from %s (%s): %d layers, hidden %d, %d/%d heads, dtype %s, device %s",
+    quantized, dense = weight_memory(model)
+    logger.info("loaded %s from %s (%s): %d layers, hidden %d, %d/%d heads, dtype %s, device "
+                "%s; weights %.1f MiB (quantized %.1f MiB: %s; dense %.1f MiB)",
                 cfg.architecture, ckpt.path, ckpt.format, cfg.num_hidden_layers,
                 cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, torch_dtype,
-                dev)
+                dev, (quantized + dense) / 2**20, quantized / 2**20, describe(model),
+                dense / 2**20)
     return model, cfg

@@ -4,8 +4,8 @@ For decodes (one query token per sequence) on the CPU in float32 the torch path'
 padded mask and SDPA blocking for 3-row queries cost more than the attention itself, so this
 kernel (`csrc/paged_decode.c`, shipped with the package) walks each sequence's blocks once
 instead, and skips the blocks before a sliding window. It is compiled with the system C
-compiler on first use, cached under the slotserve cache directory (keyed by source, flags,
-compiler and CPU), and loaded with ctypes. When there is no compiler or the build or load
+compiler on first use (`native_build`: cached under the slotserve cache directory, keyed by
+source, flags, compiler and CPU) and loaded with ctypes. When there is no compiler or the build or load
 fails, `native_decode_supported` says no and the attention layer uses the torch path; a failure
 is logged once per process. Whether to try it at all is the caller's argument
 (`EngineArgs.native_attention`), not read from the environment here.
@@ -18,27 +18,34 @@ itself checks context lengths and block ids against the cache before reading) an
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from slotserve.models import native_build
+from slotserve.models.native_build import (
+    CSRC,
+    KernelSource,
+    NativeBuildError,
+    cache_dir,
+    find_compiler,
+    kernel_pool,
+)
+
+__all__ = ["NativeBuildError", "NativeKernelError", "cache_dir", "compile_library",
+           "find_compiler", "native_decode_supported", "paged_decode"]
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-           "-shared", "-fPIC"]
+SOURCE = CSRC / "paged_decode.c"
 # Tried in order: the vectorized expf from libmvec, then plain libm.
-_LINK_VARIANTS = (["-DUSE_MVEC", "-lmvec", "-lm"], ["-lm"])
-_COMPILE_TIMEOUT_S = 120
+KERNEL = KernelSource(
+    "paged_decode", SOURCE,
+    ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+     "-shared", "-fPIC"),
+    (("-DUSE_MVEC", "-lmvec", "-lm"), ("-lm",)))
 # The kernel's return codes (the enum at the top of paged_decode.c).
 _ERRORS = {1: "a context length is < 1 or longer than its block-table row",
            2: "a block id is outside the KV cache",
@@ -47,92 +54,20 @@ _ERRORS = {1: "a context length is < 1 or longer than its block-table row",
 KernelFn = Callable[..., int]
 # None: not tried yet; False: unavailable (already logged); else the ctypes function.
 _native_fn: KernelFn | bool | None = None
-_pool: ThreadPoolExecutor | None = None
-_pool_key = (0, 0)  # (pid, workers): a pool inherited through fork() has no threads
-
-
-class NativeBuildError(RuntimeError):
-    """The C compiler rejected the kernel with every link variant."""
 
 
 class NativeKernelError(ValueError):
     """The kernel was called with arguments it cannot use (nothing was read out of bounds)."""
 
 
-def find_compiler() -> str | None:
-    """The C compiler the kernel is built with: $CC, else gcc, else cc."""
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLOTSERVE_CACHE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "slotserve")
-
-
-def _cpu_flags() -> str:
-    # -march=native code must not be reused on a different CPU sharing the cache directory.
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def library_path(cc: str, cache: Path) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS + [cc, _cpu_flags()]).encode())
-    return cache / f"paged_decode_{key.hexdigest()[:16]}.so"
-
-
-@contextmanager
-def _build_lock(cache: Path) -> Iterator[None]:
-    """Serialize builds into one cache dir across processes (pytest-xdist, server + tests).
-
-    Only saves duplicate compiles: correctness comes from the atomic rename, so where flock
-    is missing or refused (some network filesystems) the build goes ahead unlocked.
-    """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    with open(cache / ".build.lock", "a") as f:
-        with suppress(OSError):
-            fcntl.flock(f, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
-
-
 def compile_library(cc: str, cache: Path) -> Path:
-    """Build the kernel into `cache` unless it is there already; returns the library's path.
-
-    Raises NativeBuildError when it does not compile, OSError / SubprocessError otherwise.
-    """
-    lib = library_path(cc, cache)
-    if lib.is_file():
-        return lib
-    cache.mkdir(parents=True, exist_ok=True)
-    with _build_lock(cache):
-        if lib.is_file():  # another process built it while this one waited for the lock
-            return lib
-        # Compile inside a private temp dir on the same filesystem, then rename: a process
-        # loading `lib` concurrently sees either no file or the whole file, never a partial one.
-        with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
-            out = Path(tmp) / "paged_decode.so"
-            errors = ""
-            for extra in _LINK_VARIANTS:
-                res = subprocess.run([cc, *_CFLAGS, str(SOURCE), "-o", str(out), *extra],
-                                     capture_output=True, text=True,
-                                     timeout=_COMPILE_TIMEOUT_S)
-                if res.returncode == 0:
-                    break
-                errors = res.stderr
-            else:
-                raise NativeBuildError(errors[-2000:])
-            os.replace(out, lib)
-    return lib
+    """Build the decode kernel into `cache` (native_build.compile_library)."""
+    return native_build.compile_library(KERNEL, cc, cache)
 
 
-def _load(lib: Path) -> KernelFn:
-    fn = ctypes.CDLL(str(lib)).slotserve_paged_decode_f32
+def _load(lib: Path | ctypes.CDLL) -> KernelFn:
+    dll = lib if isinstance(lib, ctypes.CDLL) else ctypes.CDLL(str(lib))
+    fn = dll.slotserve_paged_decode_f32
     p, i = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i, p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, i, i, ctypes.c_float]
     fn.restype = ctypes.c_int
@@ -141,25 +76,8 @@ def _load(lib: Path) -> KernelFn:
 
 def _build_native() -> KernelFn | None:
     """Compile (or reuse) and load the kernel; None, after logging why, when that fails."""
-    cc = find_compiler()
-    if cc is None:
-        logger.info("no C compiler found: decode attention uses the torch path")
-        return None
-    cache = cache_dir()
-    try:
-        lib = compile_library(cc, cache)
-        try:
-            return _load(lib)
-        except OSError:
-            # A damaged cached file (e.g. written by a process killed mid-copy before builds
-            # were atomic, or a full disk): rebuild it once.
-            lib.unlink(missing_ok=True)
-            return _load(compile_library(cc, cache))
-    except NativeBuildError as exc:
-        logger.warning("native decode kernel did not compile (torch path used): %s", exc)
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native decode kernel unavailable (torch path used): %r", exc)
-    return None
+    dll = native_build.load_kernel(KERNEL, "decode attention uses the torch path")
+    return None if dll is None else _load(dll)
 
 
 def native_decode_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
@@ -188,7 +106,6 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     at least H * the most tokens one sequence attends to. `window` None or 0: the whole
     context. Requires native_decode_supported(...) to have returned True.
     """
-    global _pool, _pool_key
     fn = _native_fn
     if not callable(fn):
         raise NativeKernelError("native paged decode: called before native_decode_supported() "
@@ -232,8 +149,5 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         run(0, 0, nd)
         return
     # ctypes drops the GIL during the call, so sequence ranges run in parallel.
-    if _pool is None or _pool_key[0] != os.getpid() or _pool_key[1] < threads:
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="slotserve-attn")
-        _pool_key = (os.getpid(), threads)
     bounds = [nd * j // threads for j in range(threads + 1)]
-    list(_pool.map(run, range(threads), bounds[:-1], bounds[1:]))
+    list(kernel_pool(threads).map(run, range(threads), bounds[:-1], bounds[1:]))

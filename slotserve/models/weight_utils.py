@@ -17,13 +17,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from slotserve.checkpoint.dequant import CheckpointTensor
 from slotserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 # checkpoint module name -> (our fused module name, shard id)
 PackedMapping = Mapping[str, tuple[str, str | int]]
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# A tensor is dequantized (torch) unless the module it goes to keeps it quantized.
+NamedTensors = Iterable[tuple[str, CheckpointTensor]]
 
 
 class LoadableModel(Protocol):
@@ -33,7 +35,9 @@ class LoadableModel(Protocol):
     def get_submodule(self, target: str) -> nn.Module: ...
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def default_weight_loader(param: torch.Tensor, loaded: CheckpointTensor, name: str) -> None:
+    if not isinstance(loaded, torch.Tensor):
+        raise ModelLoadError(f"tensor {name} arrived quantized for a parameter that is not")
     if tuple(loaded.shape) != tuple(param.shape):
         raise ModelLoadError(f"tensor {name} has shape {tuple(loaded.shape)}, expected "
                              f"{tuple(param.shape)}")
@@ -53,8 +57,11 @@ class ShardedLinear(nn.Linear):
             self.shards[shard_id] = (start, rows)
             start += rows
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int,
-                      name: str) -> None:
+    def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
+                      shard_id: str | int | None, name: str) -> None:
+        if shard_id is None:  # not a checkpoint shard (a fused tensor): the whole parameter
+            default_weight_loader(param, loaded, name)
+            return
         start, rows = self.shards[shard_id]
         default_weight_loader(param[start:start + rows], loaded, name)
 
@@ -91,7 +98,7 @@ def checkpoint_names(model: LoadableModel) -> dict[str, list[tuple[str, str | in
 def load_packed_weights(
     model: LoadableModel, weights: NamedTensors, *, source: str,
     skip: Callable[[str], bool] = lambda name: False,
-    transform: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor,
+    transform: Callable[[str, CheckpointTensor], CheckpointTensor] = lambda name, tensor: tensor,
 ) -> None:
     """Load every parameter of `model` from `weights`; `transform(name, tensor)` turns a
     checkpoint tensor into what the parameter holds (Gemma: 1 + w). A ModelLoadError names
@@ -108,12 +115,17 @@ def load_packed_weights(
             logger.debug("ignoring unexpected tensor %s in %s", ckpt_name, source)
             continue
         tensor = transform(ckpt_name, tensor)
+        # A module with a weight_loader (fused layers, quantized ones) places the tensor itself.
+        owner = target.rpartition(".")[0]
+        loader = getattr(model.get_submodule(owner), "weight_loader", None) if owner else None
         try:
-            if shard_id is None:
+            if loader is not None:
+                loader(param, tensor, shard_id, ckpt_name)
+            elif shard_id is None:
                 default_weight_loader(param, tensor, ckpt_name)
             else:
-                module = model.get_submodule(target.rsplit(".", 1)[0])
-                module.weight_loader(param, tensor, shard_id, ckpt_name)  # type: ignore[operator]
+                raise ModelLoadError(f"tensor {ckpt_name} is a shard of {target}, whose module "
+                                     "has no weight_loader")
         except ModelLoadError as exc:
             raise ModelLoadError(f"{source}: {exc}") from exc
         pending[target].discard(shard_id)

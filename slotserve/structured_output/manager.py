@@ -5,7 +5,7 @@ their text, and fills each step's token bitmask.
   background thread (llguidance drops the GIL while it builds), so the step loop never waits
   for one; a cached text (success or failure) answers at once. A compile that fails, or takes
   longer than `compile_timeout_s` (from when it starts: the tokenizer, built once on the
-  same thread at startup, does not count), fails with GrammarCompileError carrying the
+  same thread before the first grammar, does not count), fails with GrammarCompileError carrying the
   library's message, and the same text fails the same way afterwards.
 - `grammar_bitmask(requests, scheduler_output)` builds the GrammarOutput of a step: one row
   per request that samples in it and has a grammar, filled from the matchers the scheduler
@@ -79,17 +79,6 @@ class StructuredOutputManager:
         self._bitmask: npt.NDArray[np.int32] | None = None
 
     # ----- compiling ---------------------------------------------------------------------------
-
-    def warm_up(self) -> None:
-        """Build the tokenizer on the compile thread now, before the first grammar needs it
-        (a second or more for a large vocabulary)."""
-        def build() -> None:
-            try:
-                self.backend.prepare()
-            except Exception as exc:  # noqa: BLE001 - the first grammar reports it
-                logger.warning("structured outputs will be unavailable: %s", exc)
-
-        self._compiler.submit(build)
 
     def compile_deadline(self, grammar: str) -> float | None:
         """When a compile that has started must be done (monotonic seconds); None before it

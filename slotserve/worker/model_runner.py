@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,12 @@ from slotserve.core.outputs import (
     SchedulerOutput,
 )
 from slotserve.errors import InvariantViolation
+from slotserve.memory import keep_freed_memory, resident_bytes
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
+from slotserve.models.quantization import weight_memory
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
 from slotserve.worker.sampler import (
@@ -45,6 +48,22 @@ logger = logging.getLogger(__name__)
 _CONTRACT_ERRORS = (InvariantViolation, AssertionError)
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """What the runner holds: weights (quantized blocks included) and the KV cache, in bytes."""
+
+    weights_bytes: int
+    quantized_weights_bytes: int
+    kv_cache_bytes: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+           ) -> MemoryUsage:
+        quantized, dense = weight_memory(model)
+        kv = sum(t.numel() * t.element_size() for pair in kv_caches for t in pair)
+        return cls(quantized + dense, quantized, kv)
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -59,9 +78,11 @@ class ModelRunner:
         device: str | torch.device | None = None,
         seed: int | None = None,
         native_attention: bool = True,
+        quantization: str = "auto",
     ) -> None:
         """`native_attention=False` keeps decode attention on the torch path even where the
-        native CPU kernel would build (EngineArgs.native_attention)."""
+        native CPU kernel would build (EngineArgs.native_attention); `quantization` is
+        load_model's, for a runner that loads its model from a path."""
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = parse_dtype(dtype)
         self.scheduler_config = scheduler_config
@@ -72,7 +93,8 @@ class ModelRunner:
             self.model, self.model_config = model
         else:
             self.model, self.model_config = load_model(model, self.dtype, self.device,
-                                                       max_positions=self.max_model_len + 1)
+                                                       max_positions=self.max_model_len + 1,
+                                                       quantization=quantization)
         if self.model.rope_cos.shape[0] <= self.max_model_len:
             self.model.init_rope(self.max_model_len + 1)
         if self.device.type == "cpu":
@@ -93,6 +115,17 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.vocab_size = cfg.vocab_size
         self.last_forward_s = 0.0
+        self.memory = MemoryUsage.of(self.model, self.kv_caches)
+        logger.info("memory: weights %.1f MiB (%.1f MiB of them quantized blocks), KV cache "
+                    "%.1f MiB allocated for %d blocks (pages become resident as blocks are first "
+                    "used), process resident %.1f MiB", self.memory.weights_bytes / 2**20,
+                    self.memory.quantized_weights_bytes / 2**20,
+                    self.memory.kv_cache_bytes / 2**20, self.num_blocks,
+                    resident_bytes() / 2**20)
+        if self.device.type == "cpu":
+            # After the weights and the KV cache: each step's activations are then reused
+            # from the heap instead of being page-faulted in again every step.
+            keep_freed_memory()
         # Requests that failed here, until the scheduler releases them (reported as failed
         # whenever they are scheduled meanwhile).
         self.failed: dict[str, str] = {}

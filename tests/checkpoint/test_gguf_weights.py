@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from slotserve.checkpoint import resolve_checkpoint
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.models.loader import load_model
+from slotserve.models.quantization import dense_parameters
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
 from tests.checkpoint.gguf_convert import Q, to_gguf
@@ -32,7 +33,9 @@ TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    """Same values; a weight kept quantized (the default, `auto`) is compared as the native
+    kernel dequantizes it, which must be bit for bit gguf's own dequantizer."""
+    pa, pb = dense_parameters(a), dense_parameters(b)
     assert pa.keys() == pb.keys()
     for name in pa:
         assert torch.equal(pa[name], pb[name]), name

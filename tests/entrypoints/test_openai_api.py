@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, Served
+from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, Served, scrape
 
 PROMPT = "To be, or not to be, that is the question:"
 
@@ -215,3 +215,10 @@ def test_misc_endpoints(any_mode: Served) -> None:
                  "slotserve:inter_token_latency_seconds", "slotserve:e2e_request_latency_seconds",
                  "slotserve:request_queue_time_seconds"):
         assert name in metrics, name
+    values = scrape(url)
+    # Memory: the weights and the KV cache the engine holds, both processes' resident sets.
+    assert values["slotserve:model_weights_bytes"] > 0
+    assert values["slotserve:kv_cache_bytes"] > 0
+    assert values["slotserve:engine_resident_memory_bytes"] > values[
+        "slotserve:model_weights_bytes"]
+    assert values["process_resident_memory_bytes"] > 0

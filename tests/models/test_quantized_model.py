@@ -1,0 +1,142 @@
+"""`--quantization auto|none` on GGUF files: which layers stay quantized, that they hold exactly
+the values `none` holds, that the model's outputs agree, and what memory is reported.
+
+A tiny Llama with rows of 256 values (so every k-quant fits) is written to GGUF with types
+mixed tensor by tensor as in a Q4_K_M file, plus one tensor in a type without a kernel (Q2_K)
+and one in F16: those two must be dequantized at load while the rest stays in blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.engine.args import EngineArgs
+from slotserve.entrypoints.cli import build_parser, engine_kwargs_from_args
+from slotserve.errors import ConfigError
+from slotserve.models import native_build
+from slotserve.models.loader import load_model
+from slotserve.models.quantization import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dense_parameters,
+    quantized_names,
+)
+from slotserve.sampling_params import SamplingParams
+from slotserve.worker.model_runner import ModelRunner
+from tests.checkpoint.gguf_convert import Q, to_gguf
+from tests.helpers import ManualScheduler, randomize
+
+LAYER_TYPES = {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
+               "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_0, "ffn_down": Q.Q6_K}
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if native_build.find_compiler() is None:
+        pytest.skip("no C compiler: nothing stays quantized")
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False))
+    randomize(hf.eval(), seed=3)
+    types = {f"blk.{i}.{name}.weight": t for i in range(2) for name, t in LAYER_TYPES.items()}
+    types["blk.1.ffn_down.weight"] = Q.Q2_K  # no kernel: dequantized at load
+    types["output.weight"] = Q.F16  # not a block type
+    path = tmp_path_factory.mktemp("mixed") / "m.gguf"
+    to_gguf(hf, path, Q.Q8_0, types=types)  # the token embedding: Q8_0
+    return path
+
+
+def test_auto_keeps_what_a_kernel_runs_and_none_keeps_nothing(mixed_file: Path) -> None:
+    auto, _ = load_model(mixed_file)
+    assert sorted(quantized_names(auto)) == sorted(
+        ["model.embed_tokens"]
+        + [f"model.layers.{i}.{m}" for i in range(2)
+           for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")]
+        + ["model.layers.0.mlp.down_proj"])
+    assert isinstance(auto.model.layers[1].mlp.down_proj, nn.Linear)  # Q2_K
+    assert isinstance(auto.lm_head, nn.Linear)  # F16
+    qkv = auto.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear)
+    # q and k (Q5_0) share one buffer and one kernel call, v (Q8_0) has its own.
+    assert [(s.rows, s.qtype) for s in qkv.segments] == [(256 + 128, int(Q.Q5_0)),
+                                                         (128, int(Q.Q8_0))]
+    gate_up = auto.model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, QuantizedLinear) and len(gate_up.segments) == 1
+    assert isinstance(auto.model.embed_tokens, QuantizedEmbedding)
+
+    none, _ = load_model(mixed_file, quantization="none")
+    assert not quantized_names(none)
+    a, b = dense_parameters(auto), dense_parameters(none)
+    assert a.keys() == b.keys()
+    for name in a:  # the kernel's dequantized values are gguf's, bit for bit
+        assert torch.equal(a[name], b[name]), name
+
+
+def run(path: Path, quantization: str, prompts: list[list[int]]) -> ManualScheduler:
+    runner = ModelRunner(path, SchedulerConfig(max_num_seqs=4, max_model_len=128),
+                         CacheConfig(block_size=4, num_blocks=256), dtype="float32",
+                         device="cpu", quantization=quantization)
+    sched = ManualScheduler(block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, params, max_tokens=12)
+    sched.run(runner, chunk=5)
+    return sched
+
+
+def test_auto_generates_what_none_generates(mixed_file: Path) -> None:
+    """Batched, chunked prefill and decodes: the same greedy tokens, and the top-5 logprobs
+    of every step within float32 rounding of the dequantized model's."""
+    prompts = [[5, 9, 20, 7], list(range(10, 41)), [100, 3, 3, 250, 17, 60, 61]]
+    auto, none = run(mixed_file, "auto", prompts), run(mixed_file, "none", prompts)
+    worst = 0.0
+    for rid, ref in none.requests.items():
+        got = auto.requests[rid]
+        assert got.outputs == ref.outputs, rid
+        for mine, theirs in zip(got.logprobs, ref.logprobs, strict=True):
+            assert mine.keys() == theirs.keys()
+            worst = max(worst, max(abs(mine[t] - theirs[t]) for t in theirs))
+    assert worst < 1e-4, worst
+
+
+def test_reported_memory(mixed_file: Path) -> None:
+    def runner(q: str) -> ModelRunner:
+        return ModelRunner(mixed_file, SchedulerConfig(max_num_seqs=2, max_model_len=64),
+                           CacheConfig(block_size=4, num_blocks=33), dtype="float32",
+                           device="cpu", quantization=q)
+
+    auto, none = runner("auto"), runner("none")
+    assert 0 < auto.memory.quantized_weights_bytes < auto.memory.weights_bytes
+    assert none.memory.quantized_weights_bytes == 0
+    assert auto.memory.weights_bytes < none.memory.weights_bytes / 2
+    # 2 layers x (K and V) x 33 blocks x 4 tokens x 2 KV heads x 64 dims x 4 bytes
+    assert auto.memory.kv_cache_bytes == 2 * 2 * 33 * 4 * 2 * 64 * 4
+
+
+def test_where_no_kernel_runs_auto_dequantizes(mixed_file: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="slotserve.models.quantization"):
+        model, _ = load_model(mixed_file, dtype="bfloat16")
+    assert not quantized_names(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert any("float32 activations" in r.getMessage() for r in caplog.records)
+
+
+def test_the_setting_is_checked_and_reaches_the_engine() -> None:
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineArgs.from_kwargs(quantization="int4")
+    with pytest.raises(ConfigError, match="quantization"):
+        load_model("unused", quantization="int4")
+    assert EngineArgs.from_kwargs().quantization == "auto"
+    args = build_parser().parse_args(["serve", "--quantization", "none"])
+    assert EngineArgs.from_kwargs(**engine_kwargs_from_args(args)).quantization == "none"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int8"])
