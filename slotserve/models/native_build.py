@@ -65,7 +65,10 @@ def _cpu_flags() -> str:
 
 
 def library_path(kernel: KernelSource, cc: str, cache: Path) -> Path:
-    key = hashlib.sha256(kernel.source.read_bytes()
+    # The headers beside the source are part of what gets compiled (they include each other
+    # by name), so they are part of the key too.
+    headers = sorted(kernel.source.parent.glob("*.h"))
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in [kernel.source, *headers])
                          + " ".join([*kernel.cflags, cc, _cpu_flags()]).encode())
     return cache / f"{kernel.name}_{key.hexdigest()[:16]}.so"
 
