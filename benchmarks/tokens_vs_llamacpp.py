@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from vs_llamacpp import LLAMACPP_DIR, gemma_file, start_llamacpp  # noqa: E402
+from procs import gemma_file  # noqa: E402
+from vs_llamacpp import LLAMACPP_DIR, start_llamacpp  # noqa: E402
 
 from slotserve.checkpoint import load_tokenizer  # noqa: E402
 

