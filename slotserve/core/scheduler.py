@@ -125,9 +125,11 @@ class Scheduler:
         if from_waiting:
             self.waiting.remove_requests(from_waiting)
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request, kv_written: bool = False) -> None:
+        """`kv_written`: the request's K/V is known to be valid although it ends with an
+        error (its grammar failed after a successful step), so its blocks stay cached."""
         req_id = request.request_id
-        if request.status == RequestStatus.FINISHED_ERROR:
+        if request.status == RequestStatus.FINISHED_ERROR and not kv_written:
             # Blocks were cached when scheduled; after a failed step their K/V is garbage.
             self.kv_cache_manager.uncache_blocks(request)
         self.kv_cache_manager.free(request)
@@ -294,13 +296,18 @@ class Scheduler:
                         - (len(self.running) - len(scheduled_new)))
         idle_session_holders = sum(1 for rid in self.sessions.idle if ledger.holds(rid))
         waiting_holders = idle_holders - idle_session_holders
+        # Within one pass nothing turns "no idle session may give up its slot" into a victim
+        # (`now` is fixed, slots free up only through a reclaim): ask again only after one.
+        no_victim = not self.sessions.idle
         while waiting and budget > 0:
             r = waiting.peek_request()
             holds_slot = ledger.holds(r.request_id)
             if not holds_slot and ledger.num_free_slots() <= 0:
                 # An idle session past its grace period gives its slot to r (the seed's
                 # semantics otherwise: a session that has just paused keeps it).
-                victim = self.sessions.slot_for_waiting(self.now, ledger.holds)
+                victim = (None if no_victim
+                          else self.sessions.slot_for_waiting(self.now, ledger.holds))
+                no_victim = victim is None
                 if victim is not None:
                     self._reclaim_idle_slot(victim)
                 elif waiting_holders <= 0:
@@ -446,7 +453,9 @@ class Scheduler:
             # A failed grammar ends a session too: its next chunk could not be constrained.
             finished = message is not None or self.sessions.on_stop(r, self.now)
             if finished:
-                self._free_request(r)
+                # A failed grammar (message) ends the request with an error, but the step ran:
+                # the K/V its blocks hold is valid and other requests may share it.
+                self._free_request(r, kv_written=message is not None)
             outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
                                             r.num_cached_tokens, finished, message))
         return outputs

@@ -127,17 +127,10 @@ class StreamingSessions:
         """The idle session whose slot a waiting request may take: one idle for longer than
         the grace period that holds a slot, the least important first (the largest priority
         value), then the longest idle. None when every slot holder is within its grace."""
-        best: Request | None = None
-        best_key = (0, 0.0)
         grace = self.grace_s
-        for rid, r in self.idle.items():
-            since = self.idle_since[rid]
-            if now - since <= grace or not holds_slot(rid):
-                continue
-            key = (r.priority, -since)
-            if best is None or key > best_key:
-                best, best_key = r, key
-        return best
+        candidates = [r for rid, r in self.idle.items()
+                      if now - self.idle_since[rid] > grace and holds_slot(rid)]
+        return max(candidates, key=self._reclaim_rank, default=None)
 
     def over_cap(self, holds_slot: HoldsSlot) -> list[Request]:
         """The idle sessions that must give up slot and KV so that at most max_idle keep
@@ -149,9 +142,13 @@ class StreamingSessions:
         holders = [r for rid, r in self.idle.items() if holds_slot(rid) or holds(rid)]
         if len(holders) <= cap:
             return []
-        since = self.idle_since
-        holders.sort(key=lambda r: (r.priority, -since[r.request_id]), reverse=True)
+        holders.sort(key=self._reclaim_rank, reverse=True)
         return holders[:len(holders) - cap]
+
+    def _reclaim_rank(self, request: Request) -> tuple[int, float]:
+        """Which idle session gives up its slot first: the highest rank, i.e. the least
+        important (largest priority value), then the longest idle. Ties keep idle order."""
+        return request.priority, -self.idle_since[request.request_id]
 
     def _promote(self, session: Request, update: StreamingUpdate) -> None:
         """Fold the next chunk into an idle session and queue it; it keeps KV and slot."""
