@@ -55,15 +55,18 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_cli_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` as `slotserve serve` takes them: the same settings the
+    offline baseline gets from engine_kwargs_from_args."""
     flags: list[str] = []
-    for name in ("model", "dtype", "device", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "block_size", "num_blocks", "kv_cache_memory",
-                 "policy", "threads"):
-        value = getattr(args, name, None)
-        if value is not None:
+    for name, value in engine_kwargs_from_args(args).items():
+        if name == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
+        elif name == "check":
+            flags += ["--check"] if value else []
+        elif value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
-    if getattr(args, "no_prefix_caching", False):
-        flags.append("--no-prefix-caching")
+    if args.threads is not None:
+        flags += ["--threads", str(args.threads)]
     return flags
 
 

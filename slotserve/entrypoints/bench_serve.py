@@ -68,10 +68,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- dataset
 
 def model_vocab_size(model: str | None) -> int:
+    """Of a Hugging Face folder or a GGUF file (no torch import)."""
     from slotserve.engine.args import DEFAULT_MODEL
+    from slotserve.engine.loading import load_model_config
 
-    config = json.loads((Path(model or DEFAULT_MODEL) / "config.json").read_text())
-    return int(config["vocab_size"])
+    return load_model_config(model or DEFAULT_MODEL).vocab_size
 
 
 def make_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int,

@@ -26,13 +26,13 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from slotserve.entrypoints.openai.errors import APIError
+
 logger = logging.getLogger(__name__)
 
 
 def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error"
-                                 if status < 500 else "service_unavailable",
-                                 "param": None, "code": code}}).encode()
+    body = json.dumps(APIError(status, message, code=code).body()).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
     return head + body

@@ -64,8 +64,11 @@ async def _send(ws: WebSocket, message: dict[str, Any], timeout: float | None = 
     messages for that long while sending more (a client flooding a session without reading
     its replies would otherwise block the reader, which could then never see it leave)."""
     try:
-        async with asyncio.timeout(timeout):
+        if timeout is None:  # every streamed delta: no timer to arm and cancel
             await ws.send_json(message)
+        else:
+            async with asyncio.timeout(timeout):
+                await ws.send_json(message)
     except (*_SOCKET_ERRORS, TimeoutError) as exc:
         raise _Gone() from exc
 
@@ -79,15 +82,15 @@ class _Queued:
 
 
 class _SessionState:
-    __slots__ = ("num_chunks", "held_tokens", "chunk_prompt_lens", "total_prompt",
+    __slots__ = ("held_tokens", "chunk_prompt_lens", "total_prompt",
                  "total_completion", "ended", "gone", "client", "tickets")
 
     def __init__(self) -> None:
-        self.num_chunks = 0
         # Tokens the session holds in the engine as far as finished chunks tell (the fold rule
         # of slotserve.core.sessions; an in-flight chunk's outputs are unknown, and the
         # engine checks again exactly).
         self.held_tokens = 0
+        # The prompt length of each chunk accepted so far (their count: the chunks).
         self.chunk_prompt_lens: list[int] = []
         self.total_prompt = 0
         self.total_completion = 0
@@ -148,7 +151,8 @@ class OpenAIServingSessions(OpenAIServing):
         out itself)."""
         while True:
             try:
-                async with asyncio.timeout(None if state.num_chunks else self._idle_timeout()):
+                first_wait = None if state.chunk_prompt_lens else self._idle_timeout()
+                async with asyncio.timeout(first_wait):
                     message = await ws.receive()
             except TimeoutError:
                 return "idle"
@@ -176,7 +180,6 @@ class OpenAIServingSessions(OpenAIServing):
                                       "too_many_chunks")
                 if queued is not None:
                     chunk = queued.chunk
-                    state.num_chunks += 1
                     state.held_tokens += len(chunk.prompt)
                     state.chunk_prompt_lens.append(len(chunk.prompt))
                     if queued.ticket is not None:
@@ -199,7 +202,7 @@ class OpenAIServingSessions(OpenAIServing):
         comes back as an error message), counted for the session's client."""
         if self.admission is None:
             return _Queued(chunk, None)
-        if state.num_chunks == 0 and user:
+        if not state.chunk_prompt_lens and user:
             state.client = client_key(user, None)
         params = chunk.sampling_params
         tokens = len(chunk.prompt) + ((params.max_tokens if params else None) or 0)
@@ -225,7 +228,7 @@ class OpenAIServingSessions(OpenAIServing):
         if msg.n != 1:
             raise bad_request("sessions support only n=1", "n")
         params = msg.to_sampling_params(msg.max_tokens)
-        first = state.num_chunks == 0
+        first = not state.chunk_prompt_lens
         # One rule for an empty prompt, as for /v1/completions: the first chunk may not be
         # empty (before tokenization: its BOS alone would look like a prompt).
         prompt = self.engine.processor.tokenize_chunk(msg.prompt, first)
@@ -269,7 +272,7 @@ class OpenAIServingSessions(OpenAIServing):
                     reason = END_REASONS.get(c.finish_reason or "", c.finish_reason or "end")
                     message = c.finish_message
                 if c.finish_reason is not None and (c.token_ids or not out.finished
-                                                    or chunk_index < state.num_chunks):
+                                                    or chunk_index < len(state.chunk_prompt_lens)):
                     if current is not None and admission is not None:
                         admission.finished(current)
                     await _send(ws, self._chunk_done(state, chunk_index, chunk_tokens,

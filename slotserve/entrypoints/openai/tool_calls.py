@@ -244,11 +244,15 @@ class ToolCallFormat(ABC):
     # What follows a call's JSON, and what separates two calls.
     call_close: ClassVar[str]
     call_separator: ClassVar[str]
+    # A call's start up to its arguments object (set per format from args_key): matched on
+    # every token while a call's head arrives, so compiled once.
+    call_head: ClassVar[re.Pattern[str]]
 
-    @property
-    def call_head(self) -> re.Pattern[str]:
-        return re.compile(r'\{"name": "(' + TOOL_NAME.pattern + r')", "'
-                          + re.escape(self.args_key) + r'": ')
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "args_key" in cls.__dict__:
+            cls.call_head = re.compile(r'\{"name": "(' + TOOL_NAME.pattern + r')", "'
+                                       + re.escape(cls.args_key) + r'": ')
 
     def starts_with_call(self, text: str) -> bool:
         return False
