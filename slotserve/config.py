@@ -14,6 +14,20 @@ from typing import Literal
 
 from slotserve.errors import ConfigError
 
+# --quantization: "auto" keeps a GGUF file's quantized weights where a native kernel runs
+# them (models/quantization.py); "none" dequantizes every weight at load.
+QuantizationMode = Literal["auto", "none"]
+QUANTIZATION_MODES: tuple[QuantizationMode, ...] = ("auto", "none")
+
+
+def check_mode(mode: str) -> QuantizationMode:
+    if mode == "auto":
+        return "auto"
+    if mode == "none":
+        return "none"
+    raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                      f"got {mode!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:

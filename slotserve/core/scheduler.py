@@ -48,8 +48,6 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-        if cache_config.num_blocks is None:
-            raise ValueError("the scheduler needs cache_config.num_blocks")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from slotserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from slotserve.config import (
+    CacheConfig,
+    EngineConfig,
+    QuantizationMode,
+    SchedulerConfig,
+    check_mode,
+)
 from slotserve.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -55,7 +61,7 @@ class EngineArgs:
     native_attention: bool = True
     # "auto": a GGUF file's quantized weights stay quantized where a native kernel runs them
     # (models/quantization.py); "none": every weight is dequantized at load.
-    quantization: Literal["auto", "none"] = "auto"
+    quantization: QuantizationMode = "auto"
     # Structured outputs: a request whose grammar is not compiled within this many seconds
     # is refused. Bitmask rows are filled on a helper thread while the forward pass runs
     # (True), or on the step loop before it (False); None: overlapped when the model runs on
@@ -82,9 +88,7 @@ class EngineArgs:
             given["trace_path"] = os.environ[TRACE_ENV]
         if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
             given["native_attention"] = False
-        if given.get("quantization", "auto") not in ("auto", "none"):
-            raise ConfigError(f"quantization must be 'auto' or 'none', got "
-                              f"{given['quantization']!r}")
+        check_mode(given.get("quantization", "auto"))
         return cls(**given)
 
     def model_path(self) -> str:

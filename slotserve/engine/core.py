@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
 from slotserve.check import InvariantChecker
@@ -263,9 +263,9 @@ class EngineCore:
         s = self.scheduler.make_stats()
         # A model runner reports what it holds (`ModelRunner.memory`); test doubles hold none.
         memory = getattr(self.model_runner, "memory", None)
-        stats = EngineStats(s.num_running_reqs, s.num_waiting_reqs, s.num_paused_sessions,
-                            s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                            s.num_preemptions, s.num_slots_held, s.num_idle_slots_reclaimed,
+        # Every SchedulerStats field as the scheduler made it (a field added there reaches
+        # EngineStats and /metrics without a second list here).
+        stats = EngineStats(**{f.name: getattr(s, f.name) for f in fields(s)},
                             num_failed_steps=self.num_failed_steps,
                             num_failed_requests=self.num_failed_requests,
                             num_steps=self.num_steps, busy_s=self.busy_s,
@@ -318,10 +318,7 @@ class EngineCore:
             grammar_output = self.structured_output_manager.grammar_bitmask(
                 self.scheduler.requests, scheduler_output)
         try:
-            if grammar_output is None:
-                model_output = self.model_runner.execute_model(scheduler_output)
-            else:
-                model_output = self.model_runner.execute_model(scheduler_output, grammar_output)
+            model_output = self.model_runner.execute_model(scheduler_output, grammar_output)
         except Exception as exc:
             if grammar_output is not None:
                 grammar_output.ready_bitmask()  # the helper thread is done with the matchers

@@ -76,8 +76,13 @@ class RequestGroup:
     session_num_tokens: int = 0
     # The constraint of the request (a session's: its first chunk's, for all chunks).
     structured_outputs: StructuredOutputsParams | None = None
-    # The session's end was asked for: nothing more is taken (LLMEngine refuses it).
-    ended: bool = False
+
+    @property
+    def ended(self) -> bool:
+        """The session's end was asked for: nothing more is taken (LLMEngine refuses it).
+        An end mark is always the last thing queued (one that finds the session idle
+        removes the group at once)."""
+        return bool(self.queued) and self.queued[-1] is None
 
 
 def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
@@ -139,8 +144,6 @@ class OutputProcessor:
             return
         # The next chunk of a session, or (non-resumable) the end-of-session mark.
         item = processed if processed.resumable else None
-        if item is None:
-            group.ended = True
         if group.idle:
             self._resume(group, item)
         else:

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from slotserve.config import QUANTIZATION_MODES
 from slotserve.entrypoints import bench_serve
 from slotserve.entrypoints.openai.limits import ServerLimits
 
@@ -51,7 +52,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
-    parser.add_argument("--quantization", choices=("auto", "none"), default=None,
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
                         help="auto (default): keep a GGUF file's quantized weights where a "
                         "kernel runs them; none: dequantize every weight at load")
     parser.add_argument("--check", action="store_true",

@@ -226,7 +226,6 @@ class DecoderForCausalLM(nn.Module):
         self.rope_cos = self.rope_sin = torch.empty(0)
         self.rope_local_cos = self.rope_local_sin = torch.empty(0)
         self.attn_backend: AttentionBackend | None = None
-        self._logits = torch.empty(0, cfg.vocab_size)  # see compute_logits
 
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -325,25 +324,14 @@ class DecoderForCausalLM(nn.Module):
                 h = layer(h, cos, sin, kv_cache, attn_metadata)
         return h
 
-    def _logits_buffer(self, rows: int) -> torch.Tensor:
-        buf = self._logits
-        if buf.shape[0] < rows or buf.device != self.model.embed_tokens.weight.device:
-            buf = torch.empty(rows, self.config.vocab_size, dtype=torch.float32,
-                              device=self.model.embed_tokens.weight.device)
-            self._logits = buf
-        return buf[:rows]
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head for the selected rows only; logits in float32. With a
-        quantized LM head the result is a view of a buffer the next call overwrites."""
+        """Final norm + LM head for the selected rows only; logits in float32."""
         h = self.model.norm(hidden)
         head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if isinstance(head, QuantizedEmbedding | QuantizedLinear):
-            # The logits of a large vocabulary (Gemma: 1 MB a row) go into one buffer kept
-            # across steps: fresh pages for them would be faulted in and zeroed every step.
-            # The sampler only reads them within the step.
-            logits = self._logits_buffer(h.shape[0])
-            head.project(h, out=logits)
+            # A fresh tensor per step costs no page faults: on the CPU the runner keeps freed
+            # blocks in the heap (slotserve.memory.keep_freed_memory).
+            logits = head.project(h)
         else:
             logits = F.linear(h, self.output_weight)
         cap = self.config.final_logit_softcapping

@@ -18,13 +18,12 @@ import torch
 
 from slotserve.checkpoint import resolve_checkpoint
 from slotserve.checkpoint.dequant import materialize
+from slotserve.config import QuantizationMode, check_mode
 from slotserve.errors import ModelLoadError
 from slotserve.memory import trim_heap
 from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.quantization import (
-    QuantizationMode,
-    check_mode,
     describe,
     quantize_modules,
     weight_memory,

@@ -20,13 +20,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from slotserve.checkpoint.dequant import CheckpointTensor, copy_blocks, gguf_type
-from slotserve.errors import ConfigError, ModelLoadError
+from slotserve.config import QuantizationMode
+from slotserve.errors import ModelLoadError
 from slotserve.models.native_qmatmul import (
     KERNEL_TYPES,
     QuantWeight,
@@ -37,17 +38,6 @@ from slotserve.models.weight_utils import ShardedLinear, checkpoint_names, defau
 
 logger = logging.getLogger(__name__)
 
-QuantizationMode = Literal["auto", "none"]
-QUANTIZATION_MODES: tuple[QuantizationMode, ...] = ("auto", "none")
-
-
-def check_mode(mode: str) -> QuantizationMode:
-    if mode == "auto":
-        return "auto"
-    if mode == "none":
-        return "none"
-    raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
-                      f"got {mode!r}")
 
 
 @dataclass(frozen=True, slots=True)

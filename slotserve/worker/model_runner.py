@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # The worker and the scheduler disagree (an engine bug the checker names): the step fails as
 # a whole instead of being isolated to a request.
 _CONTRACT_ERRORS = (InvariantViolation, AssertionError)
+_NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,15 +192,9 @@ class ModelRunner:
         ids = [r for r, n in so.num_scheduled_tokens.items() if n > 0 and r not in failed]
         outputs: list[ModelRunnerOutput] = []
 
-        def run(some: list[str]) -> ModelRunnerOutput:
-            # Without a grammar, the two-argument call (tests wrap _execute to inject faults).
-            if grammar_output is None:
-                return self._execute(so, some)
-            return self._execute(so, some, grammar_output)
-
         if ids:
             try:
-                outputs.append(run(ids))
+                outputs.append(self._execute(so, ids, grammar_output))
             except _CONTRACT_ERRORS:
                 raise
             except Exception as exc:  # noqa: BLE001 - isolated below
@@ -211,12 +206,13 @@ class ModelRunner:
                                    type(exc).__name__, exc)
                     for rid in ids:
                         try:
-                            outputs.append(run([rid]))
+                            outputs.append(self._execute(so, [rid], grammar_output))
                         except _CONTRACT_ERRORS:
                             raise
                         except Exception as one:  # noqa: BLE001 - this request's own
                             self._mark_failed(rid, one)
-        scheduled_failed = {r: failed[r] for r in so.num_scheduled_tokens if r in failed}
+        scheduled_failed = ({r: failed[r] for r in so.num_scheduled_tokens if r in failed}
+                            if failed else None)
         return _merge_outputs(outputs, scheduled_failed or None)
 
     def _execute(self, so: SchedulerOutput, ids: list[str],
@@ -396,7 +392,7 @@ class ModelRunner:
                 entry: LogprobsEntry = {int(sampled[i]): float(lp[i])}
                 if n and top_ids is not None and top_lp is not None:
                     for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
-                        if val != float("-inf"):  # a token a grammar disallowed
+                        if val != _NEG_INF:  # a token a grammar disallowed
                             entry.setdefault(tok, float(val))
                 logprobs[row] = [entry]
         return ModelRunnerOutput(

@@ -173,13 +173,15 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
+        # In place, as the grammar bias: the logits are the sampler's own (a copy of a
+        # [32, 262144] matrix costs 12 ms a step).
         if (meta.bias_rows is not None and meta.bias_tokens is not None
                 and meta.bias_values is not None):
-            logits = logits.index_put((meta.bias_rows, meta.bias_tokens), meta.bias_values,
-                                      accumulate=True)
+            logits.index_put_((meta.bias_rows, meta.bias_tokens), meta.bias_values,
+                              accumulate=True)
         if meta.masked_rows is not None and meta.masked_tokens is not None:
-            logits = logits.index_put((meta.masked_rows, meta.masked_tokens),
-                                      torch.tensor(float("-inf"), device=logits.device))
+            logits.index_put_((meta.masked_rows, meta.masked_tokens),
+                              torch.tensor(float("-inf"), device=logits.device))
         if meta.repetition_penalty is not None and meta.prompt_output_ids is not None:
             logits = apply_repetition_penalty(logits, meta.prompt_output_ids,
                                               meta.repetition_penalty)

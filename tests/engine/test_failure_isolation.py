@@ -43,10 +43,10 @@ def run(engine: LLMEngine, params: dict[str, SamplingParams] | None = None
 
 
 def poisoned(real: Callable[..., Any]) -> Callable[..., Any]:
-    def execute(so: Any, ids: list[str]) -> Any:
+    def execute(so: Any, ids: list[str], grammar_output: Any = None) -> Any:
         if "poison" in ids:
             raise RuntimeError("injected fault tied to request 'poison'")
-        return real(so, ids)
+        return real(so, ids, grammar_output)
     return execute
 
 
@@ -91,9 +91,9 @@ def test_isolation_reruns_the_batch_one_by_one(monkeypatch: pytest.MonkeyPatch,
     calls: list[list[str]] = []
     real = poisoned(runner._execute)
 
-    def spy(so: Any, ids: list[str]) -> Any:
+    def spy(so: Any, ids: list[str], grammar_output: Any = None) -> Any:
         calls.append(list(ids))
-        return real(so, ids)
+        return real(so, ids, grammar_output)
 
     monkeypatch.setattr(runner, "_execute", spy)
     run(engine)

@@ -30,11 +30,11 @@ def install_fault(engine: Any, after: int) -> None:
     real = runner.execute_model
     calls = [0]
 
-    def execute_model(scheduler_output: Any) -> Any:
+    def execute_model(scheduler_output: Any, grammar_output: Any = None) -> Any:
         calls[0] += 1
         if calls[0] == after + 1:
             raise RuntimeError("injected fault in the forward pass")
-        return real(scheduler_output)
+        return real(scheduler_output, grammar_output)
 
     runner.execute_model = execute_model
 
@@ -166,12 +166,12 @@ def install_request_fault(engine: Any) -> None:
     runner = engine.model_runner
     real = runner._execute
 
-    def execute(so: Any, ids: list[str]) -> Any:
+    def execute(so: Any, ids: list[str], grammar_output: Any = None) -> Any:
         index = runner.slots.req_id_to_index
         if any(POISON in runner.batch.token_ids[index[r]][:runner.batch.num_tokens[index[r]]]
                for r in ids):
             raise RuntimeError("injected fault tied to one request")
-        return real(so, ids)
+        return real(so, ids, grammar_output)
 
     runner._execute = execute
 
