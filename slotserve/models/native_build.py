@@ -23,6 +23,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from slotserve.checkpoint.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -51,8 +53,8 @@ def find_compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SLOTSERVE_CACHE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "slotserve")
+    """Built kernels live in the project's one cache folder (checkpoint/cache.py)."""
+    return cache_root()
 
 
 def _cpu_flags() -> str:

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from slotserve.models.native_attention import NativeKernelError
 from slotserve.models.native_build import CSRC, KernelSource, kernel_pool, load_kernel
@@ -38,9 +39,9 @@ KERNEL = KernelSource(
     ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
      "-shared", "-fPIC"))
 
-# GGML type id -> name, for the types the kernel runs (ggml.h's enum ggml_type).
-KERNEL_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-                                12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# GGML type id -> name, for the types the kernel runs (gguf's enum of ggml.h's ggml_type).
+KERNEL_TYPES: dict[int, str] = {int(q): q.name for q in (
+    Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
 # The kernel's return codes (the enum at the top of qmatmul.c).
 _ERRORS = {1: "the weight type has no kernel",
            2: "the shape does not fit the type's block layout or the row range is bad",

@@ -330,7 +330,7 @@ int slotserve_dequant_rows_f32(int32_t type, const uint8_t* w, int64_t n, int64_
 }
 
 /* Values per block and bytes per block of a type (0, 0 when it has no kernel here): the
-   Python side checks them against gguf's table once, when the library is loaded. */
+   Python side reads them once, when the library is loaded, and sizes weight rows by them. */
 void slotserve_qtype_layout(int32_t type, int32_t* block, int32_t* bytes) {
     const qtype_info* t = find_type(type);
     *block = t ? t->block : 0;
