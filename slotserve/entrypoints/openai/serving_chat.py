@@ -13,7 +13,7 @@ from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest, Processor
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.admission import AdmissionController
-from slotserve.entrypoints.openai.errors import APIError, bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionRequest,
@@ -89,19 +89,14 @@ def render_chat(processor: Processor, messages: list[ChatMessage], *,
     conversation = [template_message(m, i) for i, m in enumerate(messages)]
     if tools:
         template_kwargs = {**(template_kwargs or {}), "tools": tools}
-    try:
-        prompt = processor.render_chat(conversation, add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       template_kwargs=template_kwargs)
-    except RequestValidationError as exc:
-        raise bad_request(exc.message, exc.param) from exc
+    prompt = processor.render_chat(conversation, add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   template_kwargs=template_kwargs)
     return prompt["prompt_token_ids"]
 
 
-def _chat_param_names(req: ChatCompletionRequest,
-                      exc: RequestValidationError | APIError) -> APIError:
+def _chat_param_names(req: ChatCompletionRequest, err: APIError) -> APIError:
     """Name the field the chat client actually sent (the engine knows only its own names)."""
-    err = exc if isinstance(exc, APIError) else bad_request(exc.message, exc.param)
     if err.param == "logprobs":
         err.param = "top_logprobs"
     elif err.param == "max_tokens" and req.max_completion_tokens is not None:
@@ -153,7 +148,8 @@ class OpenAIServingChat(OpenAIServing):
                                          tools=tools.template_tools if tools else None)
                 return self.prepare(prompt_ids, params, request_id, req.priority)
             except (RequestValidationError, APIError) as exc:
-                raise rename_param(_chat_param_names(req, exc), req.response_format) from exc
+                raise rename_param(_chat_param_names(req, from_exception(exc)),
+                                   req.response_format) from exc
 
         # Templating and tokenization happen off the event loop; then the request waits
         # for its turn.

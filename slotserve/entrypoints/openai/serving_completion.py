@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
-from slotserve.entrypoints.openai.errors import APIError, bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 return [self.prepare(p, constrained, f"{request_id}-{i}", req.priority)
                         for i, p in enumerate(prompts)]
             except (RequestValidationError, APIError) as exc:
-                raise rename_param(exc, req.response_format) from exc
+                raise rename_param(from_exception(exc), req.response_format) from exc
 
         # Tokenization happens off the event loop; then the request waits for its turn.
         processed = await self.engine.run_off_loop(prepare_all)

@@ -16,7 +16,6 @@ from slotserve.entrypoints.openai.protocol_structured import (
     ToolChoice,
 )
 from slotserve.entrypoints.openai.tool_calls import ToolCallFormat, ToolCallParser, check_tools
-from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import StructuredOutputsParams
 
 
@@ -36,16 +35,11 @@ def response_constraint(response_format: ResponseFormat | None,
         return StructuredOutputsParams(json=spec.json_schema)
     if structured_outputs is None:
         return None
-    try:
-        return structured_outputs.to_params()
-    except RequestValidationError as exc:
-        raise bad_request(exc.message, exc.param) from exc
+    return structured_outputs.to_params()
 
 
-def rename_param(exc: RequestValidationError | APIError,
-                 response_format: ResponseFormat | None) -> APIError:
+def rename_param(err: APIError, response_format: ResponseFormat | None) -> APIError:
     """An engine error about the constraint, named by the field the client sent."""
-    err = exc if isinstance(exc, APIError) else bad_request(exc.message, exc.param)
     if (err.param or "").startswith("structured_outputs") and response_format is not None:
         err.param = "response_format"
     return err
@@ -70,10 +64,7 @@ def tool_context(tools: list[ChatCompletionToolsParam] | None, tool_choice: Tool
         if tool_choice is not None and tool_choice not in ("none", "auto"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return None
-    try:
-        checked = check_tools([(t.function.name, t.function.parameters) for t in tools])
-    except RequestValidationError as exc:
-        raise bad_request(exc.message, exc.param) from exc
+    checked = check_tools([(t.function.name, t.function.parameters) for t in tools])
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
