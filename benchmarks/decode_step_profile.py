@@ -44,7 +44,7 @@ from slotserve.core.outputs import (  # noqa: E402
     NewRequestData,
     SchedulerOutput,
 )
-from slotserve.models.config import (  # noqa: E402
+from slotserve.model_config import (  # noqa: E402
     GEMMA3_ROPE_THETA,
     ModelConfig,
     RopeConfig,

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             report.update(asdict(bench_model("SmolLM-135M-shaped (random weights)", tmp, work,
                                              args.max_num_seqs, rounds)))
     if not args.skip_bundled:
-        from slotserve.models.config import ModelConfig
+        from slotserve.model_config import ModelConfig
 
         vocab = ModelConfig.from_pretrained(DEFAULT_MODEL).vocab_size
         work = make_workload(n, vocab, lens, lens, args.seed)

@@ -18,14 +18,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slotserve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Shared records every layer may use.
     ("base", ("slotserve.errors", "slotserve.config", "slotserve.sampling_params",
-              "slotserve.memory")),
+              "slotserve.memory", "slotserve.model_config", "slotserve.cache_dir")),
     # The scheduler-to-worker messages (DESIGN.md section 2): the contract between the two
     # layers sits beneath both, so the worker reads it without importing the scheduler.
     ("contract", ("slotserve.core.outputs",)),
-    # The model's config record (pure data, no torch) sits beneath the checkpoint readers
-    # that fill it; the model classes and their loader, which consume the readers' named
-    # tensors, sit above them.
-    ("model_config", ("slotserve.models.config",)),
     ("checkpoint", ("slotserve.checkpoint",)),
     ("models", ("slotserve.models",)),
     ("worker", ("slotserve.worker",)),

@@ -22,7 +22,7 @@ from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, get_tensor_name_map
 from gguf.quants import dequantize
 
 from slotserve.checkpoint.gguf_file import GGUFTensor
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 
 _NORM_SHIFT = {"gemma3": 1.0}
 _PERMUTED_QK = {"llama"}

@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterator
 from slotserve.checkpoint.gguf_file import GGUFFile, GGUFTensor
 from slotserve.checkpoint.gguf_layout import gguf_names, undo_conversion
 from slotserve.errors import ModelLoadError
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from slotserve.checkpoint.gguf_file import GGUF_MAGIC, open_gguf
 from slotserve.checkpoint.gguf_reader import GGUFWeightsReader
 from slotserve.checkpoint.safetensors_reader import SafetensorsReader
 from slotserve.errors import ModelLoadError
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 
 if TYPE_CHECKING:  # torch stays unimported until weights are read
     from slotserve.checkpoint.dequant import CheckpointTensor

@@ -35,7 +35,7 @@ from slotserve.memory import resident_bytes
 from slotserve.worker.slots import RequestSlots
 
 if TYPE_CHECKING:
-    from slotserve.models.config import ModelConfig
+    from slotserve.model_config import ModelConfig
     from slotserve.structured_output import StructuredOutputManager
     from slotserve.structured_output.manager import CompiledGrammar
 

@@ -21,7 +21,7 @@ from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, Engi
 from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import RequestValidationError
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 

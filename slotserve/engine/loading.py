@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import slotserve.checkpoint as checkpoint
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 
 if TYPE_CHECKING:  # transformers takes a while to import; the front loads it on first use
     from transformers import PreTrainedTokenizerBase

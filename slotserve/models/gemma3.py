@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.checkpoint.dequant import CheckpointTensor
+from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap
-from slotserve.models.config import ModelConfig
 from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache, RMSNorm
 
 

@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from slotserve.checkpoint.dequant import CheckpointTensor
+from slotserve.model_config import ModelConfig, RopeConfig
 from slotserve.models.attention import (
     AttentionBackend,
     AttentionMetadataMap,
     BatchLayout,
     paged_attention,
 )
-from slotserve.models.config import ModelConfig, RopeConfig
 from slotserve.models.quantization import QuantizedEmbedding, QuantizedLinear
 from slotserve.models.weight_utils import (
     NamedTensors,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap
-from slotserve.models.config import ModelConfig
 from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache, RMSNorm
 
 

@@ -21,7 +21,7 @@ from slotserve.checkpoint.dequant import materialize
 from slotserve.config import QuantizationMode, check_mode
 from slotserve.errors import ModelLoadError
 from slotserve.memory import trim_heap
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.quantization import (
     describe,

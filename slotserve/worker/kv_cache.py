@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from slotserve.errors import ConfigError
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from slotserve.core.outputs import (
 )
 from slotserve.errors import InvariantViolation
 from slotserve.memory import keep_freed_memory, resident_bytes
+from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
-from slotserve.models.config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
 from slotserve.models.quantization import weight_memory

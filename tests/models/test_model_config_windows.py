@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slotserve.errors import ModelLoadError
-from slotserve.models.config import (
+from slotserve.model_config import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     SUPPORTED_ARCHITECTURES,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slotserve.errors import ModelLoadError
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 from slotserve.models.loader import load_model
 from tests.helpers import TinyModel, build_tiny
 

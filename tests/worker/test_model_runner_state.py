@@ -10,7 +10,7 @@ import torch
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from slotserve.errors import ConfigError, InvariantViolation, SlotOverflowError
-from slotserve.models.config import ModelConfig
+from slotserve.model_config import ModelConfig
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.kv_cache import block_bytes, determine_num_blocks
 from slotserve.worker.model_runner import ModelRunner
