@@ -198,9 +198,7 @@ class Reset:
     def apply(self, h: Harness) -> None:
         if self.running and h.sched.running:
             h.effects.add("reset with running requests")
-        if h.recorder is not None:
-            h.recorder.reset_prefix_cache(self.running)
-        ok = h.sched.reset_prefix_cache(reset_running_requests=self.running)
+        ok = h.observer.reset_prefix_cache(self.running)
         if self.running and not ok:
             raise InvariantViolation("[reset] blocks still in use after resetting every request")
 

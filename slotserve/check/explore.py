@@ -312,15 +312,15 @@ def write_trace(cfg: ExploreConfig, events: list[Event], path: str) -> None:
     """Replay events from an empty engine with a recorder attached; the trace ends with the
     event that failed (a wedge's events include the drain that did not finish)."""
     sched = cfg.scheduler()
-    h = Harness(sched)
-    h.recorder = TraceRecorder(path, sched.scheduler_config, sched.cache_config)
+    recorder = TraceRecorder(path, sched.scheduler_config, sched.cache_config)
+    h = Harness(sched, recorder)
     try:
         for ev in events:
             h.apply(ev)
     except Exception:  # noqa: BLE001, S110 - the failure is what the trace records
         pass
     finally:
-        h.recorder.close()
+        recorder.close()
 
 
 def _tuple_list(text: str) -> tuple[tuple[int, ...], ...]:

@@ -5,7 +5,7 @@ back at a session's fold) and the checker compares what each consumed.
 
 - `CountingGrammar(length)`: accepts any token but `REJECTED`, complete after `length`.
 - `ReplayGrammar`: accepts anything; a trace replay tells it when the recorded run's grammar
-  completed or failed (TraceRecorder records those outcomes per step).
+  compiled, completed or failed (TraceRecorder records those outcomes per step).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class CountingGrammar:
     def is_terminated(self) -> bool:
         return self.failure is None and len(self.consumed) >= self.length
 
+    def is_ready(self) -> bool:
+        return True
+
     @property
     def error(self) -> str | None:
         return self.failure
@@ -54,6 +57,8 @@ class ReplayGrammar:
     # Set by the replay for the next update: what the recorded grammar did with its token.
     completes_next: bool = False
     fails_next: str | None = None
+    # False while the recorded run's grammar compiled (the replay says when it was ready).
+    ready: bool = True
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         if self.fails_next is not None:
@@ -70,6 +75,9 @@ class ReplayGrammar:
 
     def is_terminated(self) -> bool:
         return self.terminated
+
+    def is_ready(self) -> bool:
+        return self.ready
 
     @property
     def error(self) -> str | None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from slotserve.check.checker import InvariantChecker
 from slotserve.check.events import PREEMPTED, RUNNING, EndSession, Schedule, Update
+from slotserve.check.observer import SchedulerObserver
 from slotserve.check.trace import TraceRecorder
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -35,7 +36,10 @@ IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
 @dataclass(slots=True)
 class Harness:
     sched: Scheduler
+    recorder: TraceRecorder | None = None
     checker: InvariantChecker = field(init=False)
+    # The scheduler's state-changing calls, recorded (with a recorder) and checked.
+    observer: SchedulerObserver = field(init=False)
     slots: RequestSlots = field(init=False)
     # Scheduled outputs the model has not answered, oldest first, each with the ids whose
     # prefill completes in it (the ones that sample, decided when it was scheduled).
@@ -43,12 +47,12 @@ class Harness:
     open_sessions: list[str] = field(default_factory=list)
     next_seq: int = 0
     now: float = 0.0
-    recorder: TraceRecorder | None = None
     # What the last event did that is worth reaching (the explorer's states of interest).
     effects: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.checker = InvariantChecker(self.sched, full_block_scan_every=1)
+        self.observer = SchedulerObserver(self.sched, self.checker, self.recorder)
         self.slots = RequestSlots(self.sched.max_num_running_reqs)
 
     # ------------------------------------------------------------------ driving
@@ -72,10 +76,10 @@ class Harness:
         if not all(r.status == IDLE for r in idle.values()):
             raise InvariantViolation(f"[state] the idle sessions hold a request that is not "
                                      f"idle: {list(idle.values())}")
-        if len(s.running) + len(s.waiting) + len(idle) != len(s.requests):
-            raise InvariantViolation(
-                f"[state] running {len(s.running)} + waiting {len(s.waiting)} + idle "
-                f"{len(idle)} != {len(s.requests)} requests")
+        queues = len(s.running) + len(s.waiting) + len(idle) + len(s.waiting_for_grammar)
+        if queues != len(s.requests):
+            raise InvariantViolation(f"[state] running, waiting, idle and compiling hold "
+                                     f"{queues} requests, not {len(s.requests)}")
         self.checker.check_blocks()
         self.checker.check_grammars()
         if any(rid in s.slot_ledger.holders for rid in idle):
@@ -89,14 +93,10 @@ class Harness:
         return list(self.sched.requests)  # insertion order is arrival order (ids are fresh)
 
     def add(self, request: Request) -> None:
-        self.sched.add_request(request)
-        if self.recorder is not None:
-            self.recorder.add_request(request)
+        self.observer.add_request(request)
 
     def finish(self, ids: list[str], status: RequestStatus) -> None:
-        self.sched.finish_requests(ids, status)
-        if self.recorder is not None:
-            self.recorder.finish_requests(ids, status)
+        self.observer.finish_requests(ids, status)
 
     def schedule(self) -> SchedulerOutput:
         s = self.sched
@@ -105,15 +105,7 @@ class Harness:
         idle_kv = [rid for rid, r in s.requests.items() if r.status != RUNNING and holds(rid)]
         idle = list(s.sessions.idle)
         reclaimed = s.sessions.num_slots_reclaimed
-        try:
-            out = s.schedule(now=self.now)
-        except BaseException:
-            if self.recorder is not None:
-                self.recorder.schedule(None, self.now)
-            raise
-        if self.recorder is not None:
-            self.recorder.schedule(out, self.now)
-        self.checker.on_schedule(out)
+        out = self.observer.schedule(now=self.now)
         released = out.released_req_ids
         for new in out.scheduled_new_reqs:
             if new.req_id in self.slots and new.req_id not in released:
@@ -153,10 +145,8 @@ class Harness:
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[list(tokens.get(r, ())) for r in ids],
                                 failed=None if failed is None else {failed: "injected"})
-        if self.recorder is not None:
-            self.recorder.update(out, mro, self.now)
         idle = len(self.sched.sessions.idle)
-        for o in self.sched.update_from_output(out, mro, now=self.now):
+        for o in self.observer.update_from_output(out, mro, now=self.now):
             if o.finished and o.request_id in self.open_sessions:
                 self.open_sessions.remove(o.request_id)
         if len(self.sched.sessions.idle) > idle:

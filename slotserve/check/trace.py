@@ -1,7 +1,8 @@
 """Record the events that drive a scheduler, and replay them deterministically.
 
 Everything that changes scheduler state comes through five calls: add_request,
-finish_requests, reset_prefix_cache, schedule and update_from_output. A trace is a JSON-lines
+finish_requests, reset_prefix_cache, schedule and update_from_output, which
+SchedulerObserver (check/observer.py) records as they are made. A trace is a JSON-lines
 file of those calls (with the sampled tokens the model returned), so a failure seen in a
 server replays offline, with the invariant checker on, down to the step that broke a rule:
 
@@ -21,6 +22,7 @@ from typing import IO, Any
 
 from slotserve.check.checker import InvariantChecker
 from slotserve.check.grammar import ReplayGrammar
+from slotserve.check.observer import SchedulerObserver
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
@@ -82,6 +84,10 @@ class TraceRecorder:
             record["failed"] = mro.failed
         self._write(record)
 
+    def grammars_ready(self, ready: dict[str, str | None]) -> None:
+        """The requests whose grammar the call just recorded found compiled (or failed)."""
+        self._write({"event": "ready", "ids": ready})
+
     def grammar_outcomes(self, completed: list[str], failed: dict[str, str]) -> None:
         """What the grammars did with the last update's tokens (a replay has no grammar
         library: it is told where each grammar completed or failed)."""
@@ -96,19 +102,26 @@ class TraceRecorder:
 def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutput]]:
     """Re-run a trace; raises the checker's InvariantViolation at the step that breaks."""
     scheduler: Scheduler | None = None
-    checker: InvariantChecker | None = None
+    observer: SchedulerObserver | None = None
     outputs: dict[int, SchedulerOutput] = {}
     ordered: list[SchedulerOutput] = []
     with open(path) as f:
         events = [json.loads(line) for line in f]
     outcomes = {e["step"]: e for e in events if e["event"] == "grammar"}
-    for e in events:
+    for i, e in enumerate(events):
         kind = e["event"]
+        # Readiness the recorded call found holds when the replayed one looks.
+        nxt = events[i + 1] if i + 1 < len(events) else {}
+        ready: dict[str, str | None] = nxt.get("ids", {}) if nxt.get("event") == "ready" else {}
         if kind == "config":
             scheduler = Scheduler(SchedulerConfig(**e["scheduler"]), CacheConfig(**e["cache"]))
-            checker = InvariantChecker(scheduler) if check else None
+            observer = SchedulerObserver(scheduler, InvariantChecker(scheduler) if check else None)
             continue
-        assert scheduler is not None, "a trace starts with its config"
+        assert scheduler is not None and observer is not None, "a trace starts with its config"
+        for rid, failure in ready.items():
+            if rid in scheduler.requests:
+                grammar = _replay_grammar(scheduler, rid)
+                grammar.ready, grammar.failure = True, failure
         if kind == "add":
             params = e["params"]
             if params.get("logit_bias"):  # JSON object keys are strings
@@ -116,21 +129,20 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
             if params.get("structured_outputs") is not None:
                 params["structured_outputs"] = StructuredOutputsParams(
                     **params["structured_outputs"])
-            sor = (StructuredOutputRequest(ReplayGrammar()) if e.get("grammar")
-                   else None)
-            scheduler.add_request(Request(
+            sor = (StructuredOutputRequest(ReplayGrammar(
+                failure=ready.get(e["id"]), ready=e["id"] in ready)) if e.get("grammar")
+                else None)
+            observer.add_request(Request(
                 e["id"], e["prompt"], SamplingParams(**params), eos_token_id=e["eos"],
                 priority=e["priority"], arrival_time=e["arrival_time"],
                 resumable=e["resumable"], cache_salt=e["cache_salt"],
                 structured_output_request=sor))
         elif kind == "finish":
-            scheduler.finish_requests(e["ids"], RequestStatus[e["status"]])
+            observer.finish_requests(e["ids"], RequestStatus[e["status"]])
         elif kind == "reset":
-            scheduler.reset_prefix_cache(e["reset_running_requests"])
+            observer.reset_prefix_cache(e["reset_running_requests"])
         elif kind == "schedule":
-            out = scheduler.schedule(now=e.get("now"))
-            if checker is not None:
-                checker.on_schedule(out)
+            out = observer.schedule(now=e.get("now"))
             outputs[e["step"]] = out
             ordered.append(out)
         elif kind == "update":
@@ -138,7 +150,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
             if outcome is not None:
                 _tell_grammars(scheduler, outcome)
             ids = e["req_ids"]
-            scheduler.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
+            observer.update_from_output(outputs.pop(e["step"]), ModelRunnerOutput(
                 req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                 sampled_token_ids=e["sampled"], failed=e.get("failed")), now=e.get("now"))
     assert scheduler is not None, "empty trace"

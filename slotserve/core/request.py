@@ -14,6 +14,8 @@ from slotserve.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     # Ordered as in vLLM: everything after PREEMPTED is finished.
     WAITING = enum.auto()
+    # Its grammar compiles (vLLM's WAITING_FOR_FSM): schedule() passes it by, no slot held.
+    WAITING_FOR_GRAMMAR = enum.auto()
     WAITING_FOR_STREAMING_REQ = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()

@@ -44,6 +44,7 @@ class SchedulerStats:
     # sessions whose slot a waiting request took (issue 11).
     num_slots_held: int = 0
     num_idle_slots_reclaimed: int = 0
+    num_waiting_for_grammar: int = 0
 
 
 class Scheduler:
@@ -61,6 +62,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        # Requests whose grammar compiles, in arrival order: they join `waiting` when ready.
+        self.waiting_for_grammar: dict[str, Request] = {}
         # Releases since the last schedule(); swapped out (not cleared) with each output.
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
@@ -95,12 +98,16 @@ class Scheduler:
         reason = self.kv_cache_manager.unfittable_reason(request.num_tokens)
         if reason is not None:
             request.status = RequestStatus.FINISHED_IGNORED
-            self.pending_outputs.append(EngineCoreOutput(
-                request.request_id, [], "length", finished=True, finish_message=reason))
+            self.report_end(request.request_id, "length", reason)
             return
         self.requests[request.request_id] = request
         self.sessions.start(request)
-        self.waiting.add_request(request)
+        if request.structured_output_request is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar[request.request_id] = request
+            self._admit_grammars()
+        else:
+            self.waiting.add_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str] | None,
                         finished_status: RequestStatus) -> None:
@@ -116,6 +123,8 @@ class Scheduler:
                 continue
             if r.status == RUNNING:
                 self.running.remove(r)
+            elif r.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                del self.waiting_for_grammar[req_id]
             elif r.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
                 from_waiting.append(r)
             r.status = finished_status
@@ -136,25 +145,43 @@ class Scheduler:
         del self.requests[req_id]
         self.sessions.forget(req_id)
 
-    def _end_request(self, request: Request, status: RequestStatus, message: str | None) -> None:
+    def _end_request(self, request: Request, status: RequestStatus, message: str | None,
+                     rejected: bool = False) -> None:
         """End a request the scheduler holds, outside update_from_output (an idle session's
-        end or timeout, a sequence that outgrew the cache): free it and report its end."""
+        end or timeout, a sequence that outgrew the cache, a grammar that failed): free it
+        and report its end."""
         request.status = status
         self._free_request(request)
+        self.report_end(request.request_id, request.get_finished_reason(), message, rejected)
+
+    def report_end(self, request_id: str, finish_reason: str | None, message: str | None,
+                   rejected: bool = False) -> None:
+        """The one place an output made outside a step is built (ends, errors, refusals);
+        the next update_from_output returns it."""
         self.pending_outputs.append(EngineCoreOutput(
-            request.request_id, [], request.get_finished_reason(), finished=True,
-            finish_message=message))
+            request_id, [], finish_reason, finished=True, finish_message=message,
+            rejected=rejected))
+
+    def _admit_grammars(self) -> None:
+        """Requests whose grammar is ready join the waiting queue; one whose grammar failed
+        (or did not compile in time) is refused."""
+        for r in list(self.waiting_for_grammar.values()):
+            assert r.structured_output_request is not None
+            grammar = r.structured_output_request.grammar
+            if not grammar.is_ready():
+                continue
+            del self.waiting_for_grammar[r.request_id]
+            if grammar.error is not None:
+                self._end_request(r, RequestStatus.FINISHED_ERROR, grammar.error, True)
+            else:
+                r.status = RequestStatus.WAITING
+                self.waiting.add_request(r)
 
     def _preempt_request(self, request: Request) -> None:
         """Recompute-style preemption; the caller has removed request from running."""
-        self.kv_cache_manager.free(request)
+        self._reclaim_kv(request)
         request.status = PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.prepend_request(request)
-        self.slot_ledger.release(request.request_id)
-        self.preempted_req_ids.add(request.request_id)
 
     def _reclaim_kv(self, request: Request) -> None:
         """Take the KV (and slot) of a request that holds them while not running."""
@@ -197,6 +224,8 @@ class Scheduler:
         time out against it. Without it, time stands still (callers with no sessions)."""
         if now is not None:
             self.now = now
+        if self.waiting_for_grammar:
+            self._admit_grammars()
         sessions = self.sessions
         if sessions.idle:
             sessions.expire(self.now)
@@ -242,8 +271,7 @@ class Scheduler:
                 else:
                     victim = running.pop()
                 if victim is r and self._can_never_grow(r):
-                    self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED,
-                                      "the sequence outgrew the whole KV cache")
+                    self._end_outgrown(r)
                 else:
                     self._preempt_request(victim)
                     preempted = True
@@ -272,6 +300,10 @@ class Scheduler:
                 budget, blocked = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+
+    def _end_outgrown(self, r: Request) -> None:
+        self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED,
+                          "the sequence outgrew the whole KV cache")
 
     def _can_never_grow(self, r: Request) -> bool:
         # Only r holds blocks and even the whole cache cannot take its next token.
@@ -332,8 +364,7 @@ class Scheduler:
                     # It grew (a late output after preemption) past what the whole cache
                     # holds: it can never run again, and must not block the queue.
                     waiting.pop_request()
-                    self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED,
-                                      "the sequence outgrew the whole KV cache")
+                    self._end_outgrown(r)
                     continue
                 kv_blocked = r
                 break
@@ -395,6 +426,8 @@ class Scheduler:
         that stops here goes idle."""
         if now is not None:
             self.now = now
+        if model_runner_output.failed:
+            self._fail_requests(model_runner_output.failed)
         outputs = self.pending_outputs
         self.pending_outputs = []
         sampled = model_runner_output.sampled_token_ids
@@ -402,8 +435,6 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         requests = self.requests
         max_model_len = self.max_model_len
-        if model_runner_output.failed:
-            self._fail_requests(model_runner_output.failed, outputs)
         for req_id in scheduler_output.num_scheduled_tokens:
             r = requests.get(req_id)
             if r is None:
@@ -458,7 +489,7 @@ class Scheduler:
                                             r.num_cached_tokens, finished, message))
         return outputs
 
-    def _fail_requests(self, failed: dict[str, str], outputs: list[EngineCoreOutput]) -> None:
+    def _fail_requests(self, failed: dict[str, str]) -> None:
         """The worker could not run these requests (and ran the rest of the step): they end
         with an error, their blocks' hashes dropped (their K/V may never have been written)."""
         for req_id, message in failed.items():
@@ -466,8 +497,7 @@ class Scheduler:
             if r is None or r.status not in (RUNNING, PREEMPTED):
                 continue  # finished meanwhile, or a session that has moved on
             self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
-            outputs.append(EngineCoreOutput(req_id, [], "error", finished=True,
-                                            finish_message=message))
+            self.report_end(req_id, "error", message)
 
     # -------------------------------------------------------------------------- queries
     def get_num_unfinished_requests(self) -> int:
@@ -493,6 +523,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_slots_held=len(self.slot_ledger.holders),
             num_idle_slots_reclaimed=self.sessions.num_slots_reclaimed,
+            num_waiting_for_grammar=len(self.waiting_for_grammar),
         )
 
 

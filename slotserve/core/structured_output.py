@@ -31,6 +31,11 @@ class StructuredOutputGrammar(Protocol):
         """The grammar is complete and allows no further token (EOS aside)."""
         ...
 
+    def is_ready(self) -> bool:
+        """Compiled, or failed to compile (`error` says why); until then its request waits
+        with status WAITING_FOR_GRAMMAR."""
+        ...
+
     @property
     def error(self) -> str | None:
         """Why the matcher failed (it never recovers), or None."""

@@ -8,15 +8,14 @@ and detokenizes, and talks to it through an EngineCoreClient (engine/core_client
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import random
 import time
-from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Protocol
 
 from slotserve.check import InvariantChecker
+from slotserve.check.observer import SchedulerObserver
 from slotserve.check.trace import TraceRecorder
 from slotserve.config import EngineConfig
 from slotserve.core.outputs import (
@@ -27,7 +26,6 @@ from slotserve.core.outputs import (
 )
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
-from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, portable
@@ -37,7 +35,6 @@ from slotserve.worker.slots import RequestSlots
 if TYPE_CHECKING:
     from slotserve.model_config import ModelConfig
     from slotserve.structured_output import StructuredOutputManager
-    from slotserve.structured_output.manager import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +53,6 @@ class ModelRunnerProtocol(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class GrammarWait:
-    """A request whose grammar is compiling: it holds no slot and no KV block. Later core
-    requests with its id (a session's chunks, its end) queue behind it, in order."""
-
-    grammar: str
-    future: concurrent.futures.Future[CompiledGrammar]
-    queue: deque[EngineCoreRequest] = field(default_factory=deque)
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model_runner: ModelRunnerProtocol,
                  structured_output_manager: StructuredOutputManager | None = None) -> None:
@@ -75,12 +62,11 @@ class EngineCore:
         # Compiles grammars off the step loop and fills each step's bitmask; None: requests
         # with a grammar are refused (an engine built without a tokenizer).
         self.structured_output_manager = structured_output_manager
-        self.waiting_for_grammar: dict[str, GrammarWait] = {}
-        # Requests refused here (a grammar that failed), sent with the next step's outputs.
-        self.rejected_outputs: list[EngineCoreOutput] = []
         self.checker = InvariantChecker(self.scheduler) if config.check else None
-        self.trace = (TraceRecorder(config.trace_path, config.scheduler_config,
-                                    config.cache_config) if config.trace_path else None)
+        # Every call that changes the scheduler goes through it: traced and checked.
+        self.observer = SchedulerObserver(self.scheduler, self.checker, TraceRecorder(
+            config.trace_path, config.scheduler_config, config.cache_config)
+            if config.trace_path else None)
         # The last failure inside execute_model; its requests ended with "error".
         self.last_error: BaseException | None = None
         self.num_failed_steps = 0
@@ -130,91 +116,28 @@ class EngineCore:
     # ----- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        wait = self.waiting_for_grammar.get(request.request_id)
-        if wait is not None:
-            wait.queue.append(request)  # after the request whose grammar compiles
-            return
-        if request.grammar is not None and not request.continues_session:
-            manager = self.structured_output_manager
-            if manager is None:
-                self._reject(request.request_id, "structured outputs are not available: this "
-                             "engine was built without the model's tokenizer")
-                return
-            future = manager.request_grammar(request.grammar)
-            if future.done():  # cached
-                self._admit(request, future)
-                return
-            self.waiting_for_grammar[request.request_id] = GrammarWait(
-                request.grammar, future, deque([request]))
-            return
-        self._add(request)
-
-    def _add(self, request: EngineCoreRequest,
-             structured_output_request: StructuredOutputRequest | None = None) -> None:
-        if request.continues_session and request.request_id not in self.scheduler.requests:
+        rid = request.request_id
+        if request.continues_session and rid not in self.scheduler.requests:
             return  # the session ended here meanwhile; the front has its end already
-        r = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
-                    eos_token_id=request.eos_token_id, priority=request.priority,
-                    arrival_time=request.arrival_time, resumable=request.resumable,
-                    structured_output_request=structured_output_request)
-        self.scheduler.add_request(r)
-        if self.trace is not None:
-            self.trace.add_request(r)
-
-    def _admit(self, request: EngineCoreRequest,
-               future: concurrent.futures.Future[CompiledGrammar]) -> bool:
-        """Add a request whose grammar is ready; False (and the request refused) when its
-        grammar failed."""
-        try:
-            compiled = future.result()
-        except Exception as exc:  # noqa: BLE001 - GrammarCompileError, or a library failure
-            self._reject(request.request_id, f"invalid grammar: {exc}")
-            return False
-        assert self.structured_output_manager is not None
-        self._add(request, self.structured_output_manager.make_request(compiled))
-        return True
-
-    def _reject(self, request_id: str, message: str) -> None:
-        logger.info("request %s refused: %s", request_id, message)
-        self.rejected_outputs.append(EngineCoreOutput(
-            request_id, [], "error", finished=True, finish_message=message, rejected=True))
-
-    def finish_refused(self, request_id: str, message: str) -> None:
-        """End a request the scheduler refused after its grammar compiled (it is freed if it
-        got in); its output goes with the next step."""
-        if request_id in self.scheduler.requests:
-            self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
-            if self.trace is not None:
-                self.trace.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
-        self.rejected_outputs.append(EngineCoreOutput(
-            request_id, [], "error", finished=True, finish_message=message))
-
-    def _admit_compiled(self, now: float) -> None:
-        """Move the requests whose grammar is ready into the scheduler (with what queued
-        behind them); refuse those whose grammar failed, or whose compile ran over the
-        limit (the compile goes on, and its text fails at once from then on)."""
-        manager = self.structured_output_manager
-        assert manager is not None
-        for rid, wait in list(self.waiting_for_grammar.items()):
-            if wait.future.done():
-                del self.waiting_for_grammar[rid]
-                try:
-                    if self._admit(wait.queue.popleft(), wait.future):
-                        for later in wait.queue:
-                            self.add_request(later)
-                except Exception as exc:  # noqa: BLE001 - as the loop does for an ADD
-                    # The front validated these, so the two disagree: end it visibly.
-                    logger.error("the engine core refused request %s: %s", rid, exc)
-                    self.finish_refused(rid, str(exc))
-                continue
-            deadline = manager.compile_deadline(wait.grammar)
-            if deadline is not None and now > deadline:
-                del self.waiting_for_grammar[rid]
-                self._reject(rid, "the grammar was not compiled within the limit of "
-                             f"{manager.compile_timeout_s:g} s")
+        structured_output_request = None
+        if request.grammar is not None and not request.continues_session:
+            if self.structured_output_manager is None:
+                logger.info("request %s refused: no structured outputs", rid)
+                self.scheduler.report_end(rid, "error", "structured outputs are not "
+                                          "available: this engine was built without the "
+                                          "model's tokenizer", rejected=True)
+                return
+            # The scheduler keeps it WAITING_FOR_GRAMMAR until the compile is done.
+            structured_output_request = self.structured_output_manager.make_request(
+                request.grammar)
+        self.observer.add_request(Request(
+            rid, request.prompt_token_ids, request.sampling_params,
+            eos_token_id=request.eos_token_id, priority=request.priority,
+            arrival_time=request.arrival_time, resumable=request.resumable,
+            structured_output_request=structured_output_request))
 
     def has_waiting_grammars(self) -> bool:
-        return bool(self.waiting_for_grammar)
+        return bool(self.scheduler.waiting_for_grammar)
 
     def next_grammar_deadline(self) -> float | None:
         """The earliest deadline of a compile that has started (the manager wakes the loop
@@ -222,42 +145,32 @@ class EngineCore:
         manager = self.structured_output_manager
         if manager is None:
             return None
-        deadlines = [d for w in self.waiting_for_grammar.values()
-                     if (d := manager.compile_deadline(w.grammar)) is not None]
-        return min(deadlines, default=None)
+        return manager.next_deadline(self.scheduler.waiting_for_grammar.values())
 
     def wait_for_grammar(self, poll_s: float = 0.05) -> None:
         """Block until some waiting request's grammar is ready, or a deadline passes, or
         poll_s (a core stepped by its caller, with nothing else to do)."""
-        if not self.waiting_for_grammar:
+        manager = self.structured_output_manager
+        if manager is None or not self.scheduler.waiting_for_grammar:
             return
         deadline = self.next_grammar_deadline()
         timeout = poll_s if deadline is None else min(poll_s, deadline - time.monotonic())
-        concurrent.futures.wait([w.future for w in self.waiting_for_grammar.values()],
-                                timeout=max(0.0, timeout),
-                                return_when=concurrent.futures.FIRST_COMPLETED)
+        manager.wait(self.scheduler.waiting_for_grammar.values(), timeout)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.waiting_for_grammar.pop(rid, None)
         if request_ids:
-            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-            if self.trace is not None:
-                self.trace.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+            self.observer.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_requests(self) -> bool:
-        # Also true while releases are pending, so a final step delivers them to the worker.
-        # Requests waiting for a grammar do not count: the loop waits for them without
-        # stepping (has_waiting_grammars).
-        return self.scheduler.has_requests() or bool(self.rejected_outputs)
+        # Also true while releases or outputs are pending, so a step delivers them. Requests
+        # waiting for a grammar do not count: the loop waits for them (has_waiting_grammars).
+        return self.scheduler.has_requests()
 
     def has_idle_sessions(self) -> bool:
         return self.scheduler.num_waiting_for_streaming_input > 0
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        if self.trace is not None:
-            self.trace.reset_prefix_cache(reset_running_requests)
-        return self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        return self.observer.reset_prefix_cache(reset_running_requests)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.make_stats()
@@ -270,7 +183,6 @@ class EngineCore:
                             num_failed_requests=self.num_failed_requests,
                             num_steps=self.num_steps, busy_s=self.busy_s,
                             busy_cpu_s=self.busy_cpu_s,
-                            num_waiting_for_grammar=len(self.waiting_for_grammar),
                             weights_bytes=getattr(memory, "weights_bytes", 0),
                             quantized_weights_bytes=getattr(memory, "quantized_weights_bytes", 0),
                             kv_cache_bytes=getattr(memory, "kv_cache_bytes", 0),
@@ -285,33 +197,24 @@ class EngineCore:
     # ----- the step ---------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        if self.waiting_for_grammar:
-            self._admit_compiled(time.monotonic())
-        rejected, self.rejected_outputs = self.rejected_outputs, []
-        # With only idle sessions a step still runs: schedule() is where they time out, so a
-        # loop ticks step() now and then while sessions are idle.
-        if not self.scheduler.has_requests() and not self.has_idle_sessions():
+        # With only idle sessions or compiling grammars a step still runs: schedule() is
+        # where sessions time out and ready grammars join the queue, so a loop ticks step()
+        # now and then meanwhile.
+        if not (self.scheduler.has_requests() or self.has_idle_sessions()
+                or self.has_waiting_grammars()):
             self.stalled = False
-            now = time.monotonic()
-            return EngineCoreOutputs(rejected, now, now) if rejected else EngineCoreOutputs()
+            return EngineCoreOutputs()
         cpu_start, schedule_time = time.thread_time(), time.monotonic()
         try:
-            out = self._step(schedule_time)
-            if rejected:
-                out.outputs[:0] = rejected
-            return out
+            return self._step(schedule_time)
         finally:
             self.num_steps += 1
             self.busy_s += time.monotonic() - schedule_time
             self.busy_cpu_s += time.thread_time() - cpu_start
 
     def _step(self, schedule_time: float) -> EngineCoreOutputs:
-        scheduler_output = self.scheduler.schedule(now=schedule_time)
+        scheduler_output = self.observer.schedule(now=schedule_time)
         self.stalled = False
-        if self.trace is not None:
-            self.trace.schedule(scheduler_output, schedule_time)
-        if self.checker is not None:
-            self.checker.on_schedule(scheduler_output)
         scheduled_new = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         grammar_output = None
         if self.structured_output_manager is not None:
@@ -331,15 +234,7 @@ class EngineCore:
         if self.checker is not None:
             self.checker.check_worker_slots(self.model_runner.slots)
         now = time.monotonic()
-        if self.trace is not None:
-            self.trace.update(scheduler_output, model_output, now)
-            grammars = self._scheduled_grammars(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
-        if self.trace is not None and grammars:
-            self.trace.grammar_outcomes(
-                [rid for rid, sor in grammars.items() if sor.grammar.is_terminated()],
-                {rid: sor.grammar.error for rid, sor in grammars.items()
-                 if sor.grammar.error is not None})
+        outputs = self.observer.update_from_output(scheduler_output, model_output, now=now)
         if model_output.failed:
             self.num_failed_requests += len(model_output.failed)
         self.stalled = not scheduler_output.total_num_scheduled_tokens and not outputs
@@ -348,12 +243,6 @@ class EngineCore:
                 and not self.scheduler.has_requests()):
             self.checker.assert_drained()
         return EngineCoreOutputs(outputs, schedule_time, now, scheduled_new)
-
-    def _scheduled_grammars(self, so: SchedulerOutput) -> dict[str, StructuredOutputRequest]:
-        requests = self.scheduler.requests
-        return {rid: sor for rid in so.num_scheduled_tokens
-                if (r := requests.get(rid)) is not None
-                and (sor := r.structured_output_request) is not None}
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
                    exc: Exception) -> list[EngineCoreOutput]:
@@ -369,9 +258,7 @@ class EngineCore:
                      type(exc).__name__, exc, failed, exc_info=exc)
         # FINISHED_ERROR also drops the prefix-cache entries of these requests' blocks: they
         # were registered when scheduled, but their K/V was never written.
-        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        if self.trace is not None:
-            self.trace.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        self.observer.finish_requests(failed, RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(rid, [], finish_reason="error", finished=True) for rid in failed]
 
 

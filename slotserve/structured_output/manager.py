@@ -1,7 +1,9 @@
 """StructuredOutputManager (vLLM's name): compiles grammars off the step loop, caches them by
 their text, and fills each step's token bitmask.
 
-- `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
+- `make_request(text)` gives a request its grammar at once, a `CompilingGrammar`: the
+  scheduler keeps the request WAITING_FOR_GRAMMAR (no slot, no block) until its
+  `is_ready()`. `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
   background thread (llguidance drops the GIL while it builds), so the step loop never waits
   for one; a cached text (success or failure) answers at once. A compile that fails, or takes
   longer than `compile_timeout_s` (from when it starts: the tokenizer, built once on the
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import llguidance
@@ -140,9 +142,22 @@ class StructuredOutputManager:
         if self.on_progress is not None:
             self.on_progress()
 
-    def make_request(self, compiled: CompiledGrammar) -> StructuredOutputRequest:
-        """A fresh matcher for one request (a copy of the compiled one, in its start state)."""
-        return StructuredOutputRequest(GuidanceGrammar(compiled.deep_copy()))
+    def make_request(self, grammar: str) -> StructuredOutputRequest:
+        """One request's grammar, compiling (or cached) from this moment."""
+        return StructuredOutputRequest(CompilingGrammar(self, grammar))
+
+    def next_deadline(self, requests: Iterable[Request]) -> float | None:
+        """The earliest deadline of these waiting requests' compiles that have started."""
+        deadlines = [d for g in _compiling(requests)
+                     if (d := self.compile_deadline(g.text)) is not None]
+        return min(deadlines, default=None)
+
+    def wait(self, requests: Iterable[Request], timeout: float) -> None:
+        """Block until one of these waiting requests' grammars is compiled, or timeout."""
+        futures = [g.future for g in _compiling(requests)]
+        if futures:
+            concurrent.futures.wait(futures, timeout=max(0.0, timeout),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ----- bitmasks ----------------------------------------------------------------------------
 
@@ -158,8 +173,8 @@ class StructuredOutputManager:
                     or r.num_computed_tokens < r.num_tokens):
                 continue
             grammar = r.structured_output_request.grammar
-            assert isinstance(grammar, GuidanceGrammar)
-            rows.append((rid, grammar))
+            assert isinstance(grammar, CompilingGrammar)
+            rows.append((rid, grammar.matcher))
         if not rows:
             return None
         if self._bitmask is None:
@@ -194,3 +209,63 @@ class StructuredOutputManager:
         self._compiler.shutdown(wait=False, cancel_futures=True)
         if self._filler is not None:
             self._filler.shutdown(wait=False, cancel_futures=True)
+
+
+class CompilingGrammar:
+    """A request's grammar from the moment it is asked for (the StructuredOutputGrammar
+    protocol): ready once its compile ended, with a fresh matcher (a copy of the compiled
+    one) then serving the request, or once it failed or ran past the manager's limit
+    (`error` says which; the scheduler then refuses the request)."""
+
+    __slots__ = ("text", "future", "_manager", "_matcher", "_error")
+
+    def __init__(self, manager: StructuredOutputManager, text: str) -> None:
+        self.text = text
+        self.future = manager.request_grammar(text)
+        self._manager = manager
+        self._matcher: GuidanceGrammar | None = None
+        self._error: str | None = None
+
+    def is_ready(self) -> bool:
+        if self._matcher is not None or self._error is not None:
+            return True
+        if self.future.done():
+            try:
+                self._matcher = GuidanceGrammar(self.future.result().deep_copy())
+            except Exception as exc:  # noqa: BLE001 - GrammarCompileError, or a library failure
+                self._error = f"invalid grammar: {exc}"
+            return True
+        deadline = self._manager.compile_deadline(self.text)
+        if deadline is None or time.monotonic() <= deadline:
+            return False
+        # The compile goes on, and its text fails at once from then on.
+        self._error = ("the grammar was not compiled within the limit of "
+                       f"{self._manager.compile_timeout_s:g} s")
+        return True
+
+    @property
+    def matcher(self) -> GuidanceGrammar:
+        assert self._matcher is not None, "the grammar is not compiled yet"
+        return self._matcher
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        return self.matcher.accept_tokens(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    @property
+    def error(self) -> str | None:
+        return self._error if self._matcher is None else self._matcher.error
+
+    @property
+    def consumed_token_ids(self) -> list[int]:
+        return [] if self._matcher is None else self._matcher.consumed_token_ids
+
+
+def _compiling(requests: Iterable[Request]) -> list[CompilingGrammar]:
+    return [g for r in requests if r.structured_output_request is not None
+            and isinstance(g := r.structured_output_request.grammar, CompilingGrammar)]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from slotserve.check.trace import replay
+from slotserve.core.request import RequestStatus
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.entrypoints.llm import LLM
 from slotserve.errors import InvariantViolation, RequestValidationError
@@ -120,14 +121,14 @@ def test_abort_while_running_and_while_compiling(fake_engine: FakeEngineFactory)
     engine.add_request("c", prompts_for(1, seed=2)[0], SamplingParams(
         max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]{5}")))
     engine.step()
-    assert "c" in core.waiting_for_grammar and "c" not in core.scheduler.requests
+    assert core.scheduler.requests["c"].status == RequestStatus.WAITING_FOR_GRAMMAR
     engine.abort_request("c")
     gate.set()
     outs: list[RequestOutput] = []
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
     assert {o.request_id for o in outs if o.finished} == {"b"}
-    assert not core.waiting_for_grammar
+    assert not core.scheduler.waiting_for_grammar
     assert_idle(engine)
 
 
@@ -142,7 +143,7 @@ def test_waiting_for_a_grammar_holds_no_slot(fake_engine: FakeEngineFactory) -> 
     while "free" not in finished:
         finished += [o.request_id for o in engine.step() if o.finished]
         # The one slot went to the free request; the other holds nothing while it waits.
-        assert "slow" not in core.scheduler.requests
+        assert core.scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_GRAMMAR
         assert "slow" not in core.scheduler.slot_ledger.holders
         assert core.get_stats().num_waiting_for_grammar == 1
     gate.set()
@@ -293,3 +294,25 @@ def test_a_trace_replays_grammar_stops_and_folds(fake_engine: FakeEngineFactory,
     blind = tmp_path / "blind.jsonl"
     blind.write_text("".join(json.dumps(e) + "\n" for e in recorded if e["event"] != "grammar"))
     assert replay(str(blind))[0].requests
+
+
+def test_a_trace_replays_a_grammar_wait(fake_engine: FakeEngineFactory, tmp_path: Path) -> None:
+    """A request waits for its grammar in the scheduler while another runs; the trace records
+    the call that found it compiled, so the replay lets it in at the same step."""
+    path = tmp_path / "trace.jsonl"
+    engine = fake_engine(trace_path=str(path))
+    gate = threading.Event()
+    core_of(engine).structured_output_manager._compiler.submit(gate.wait)
+    engine.add_request("slow", prompts_for(1)[0], json_params(20))
+    engine.add_request("free", prompts_for(1, seed=5)[0], SamplingParams(max_tokens=6))
+    for _ in range(3):
+        engine.step()
+    gate.set()
+    while engine.has_unfinished_requests():
+        engine.step()
+    replayed, outs = replay(str(path))
+    assert not replayed.requests
+    first = next(i for i, o in enumerate(outs) if "slow" in o.num_scheduled_tokens)
+    assert first >= 3 and "free" in outs[0].num_scheduled_tokens
+    recorded = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["ids"] for e in recorded if e["event"] == "ready"] == [{"slow": None}]
