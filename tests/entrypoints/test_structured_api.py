@@ -227,3 +227,42 @@ def test_a_session_is_held_to_its_grammar_across_chunks(drained: Served) -> None
     # the previous chunk sampled, which the session dropped).
     for text in texts:
         assert re.fullmatch(r"[a-z ]+", text), texts
+
+
+def test_a_session_refuses_a_bad_constraint_chunk_and_goes_on(drained: Served) -> None:
+    """Changing the session's constraint (through structured_outputs or response_format), or
+    adding min_tokens to a constrained session, refuses that chunk only: a non-fatal error,
+    and the next chunk runs under the first chunk's response_format."""
+    from websockets.sync.client import connect
+
+    from tests.entrypoints.test_sessions import recv, ws_url
+
+    def chunk(**fields: Any) -> str:
+        return json.dumps({"type": "input", "prompt": " and", "max_tokens": 4,
+                           "temperature": 0, **fields})
+
+    def run(ws: Any, message: str) -> tuple[str, dict[str, Any]]:
+        ws.send(message)
+        text = ""
+        while (msg := recv(ws))["type"] == "delta":
+            text += msg["text"]
+        return text, msg
+
+    with connect(ws_url(drained.url), open_timeout=30) as ws:
+        recv(ws)
+        text, done = run(ws, chunk(prompt="Speak:", response_format={"type": "json_object"}))
+        assert done["type"] == "chunk.done" and text.lstrip().startswith("{"), (text, done)
+        for bad, param in ((chunk(structured_outputs={"regex": "[0-9]+"}), "structured_outputs"),
+                           (chunk(response_format=response_format(SCHEMA)), "response_format"),
+                           (chunk(min_tokens=2), "min_tokens")):
+            ws.send(bad)
+            refused = recv(ws)
+            assert refused["type"] == "error" and refused["fatal"] is False, refused
+            assert refused["error"]["param"] == param, refused
+        # The same constraint again is no change; the session goes on, still constrained.
+        _, done = run(ws, chunk(response_format={"type": "json_object"}))
+        assert done["type"] == "chunk.done" and done["chunk"] == 1, done
+        _, done = run(ws, chunk())
+        assert done["type"] == "chunk.done" and done["chunk"] == 2, done
+        ws.send(json.dumps({"type": "end"}))
+        assert recv(ws)["type"] == "session.done"

@@ -61,8 +61,9 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     # OpenAI's: token id (a JSON object key, so a string) -> bias added to its logit.
     logit_bias: dict[str, float] | None = None
-    # Structured outputs (vLLM's extra field; OpenAI's response_format is on the requests).
+    # Structured outputs: vLLM's extra field, or OpenAI's response_format (one or the other).
     structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         # SamplingParams validates every range and raises RequestValidationError naming the
@@ -118,7 +119,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     user: str | None = None
-    response_format: ResponseFormat | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return self._sampling_params(max_tokens, self.logprobs)
@@ -203,7 +203,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -35,12 +35,15 @@ from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from slotserve.core.sessions import kept_output_tokens
+from slotserve.engine.llm_engine import check_session_chunk
 from slotserve.entrypoints.async_llm import StreamingInput
 from slotserve.entrypoints.openai.admission import Ticket, client_key
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
+from slotserve.entrypoints.openai.structured import rename_param, response_constraint
 from slotserve.errors import RequestValidationError
+from slotserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +85,8 @@ class _Queued:
 
 
 class _SessionState:
-    __slots__ = ("held_tokens", "chunk_prompt_lens", "total_prompt",
-                 "total_completion", "ended", "gone", "client", "tickets")
+    __slots__ = ("held_tokens", "chunk_prompt_lens", "total_prompt", "total_completion",
+                 "ended", "gone", "client", "tickets", "structured_outputs")
 
     def __init__(self) -> None:
         # Tokens the session holds in the engine as far as finished chunks tell (the fold rule
@@ -101,6 +104,8 @@ class _SessionState:
         # Admission control: who the session is for, and each chunk's ticket, in order.
         self.client = ""
         self.tickets: list[Ticket] = []
+        # The first chunk's constraint: it spans the session (a later chunk may not change it).
+        self.structured_outputs: StructuredOutputsParams | None = None
 
 
 class OpenAIServingSessions(OpenAIServing):
@@ -180,6 +185,8 @@ class OpenAIServingSessions(OpenAIServing):
                                       "too_many_chunks")
                 if queued is not None:
                     chunk = queued.chunk
+                    if not state.chunk_prompt_lens and chunk.sampling_params is not None:
+                        state.structured_outputs = chunk.sampling_params.structured_outputs
                     state.held_tokens += len(chunk.prompt)
                     state.chunk_prompt_lens.append(len(chunk.prompt))
                     if queued.ticket is not None:
@@ -228,13 +235,21 @@ class OpenAIServingSessions(OpenAIServing):
         if msg.n != 1:
             raise bad_request("sessions support only n=1", "n")
         params = msg.to_sampling_params(msg.max_tokens)
+        constraint = response_constraint(msg.response_format, msg.structured_outputs)
+        if constraint is not None:
+            params = params.clone(structured_outputs=constraint)
         first = not state.chunk_prompt_lens
         # One rule for an empty prompt, as for /v1/completions: the first chunk may not be
         # empty (before tokenization: its BOS alone would look like a prompt).
         prompt = self.engine.processor.tokenize_chunk(msg.prompt, first)
-        self.engine.processor.process(
-            "session-check", prompt, params, resumable=True,
-            continuation_of=None if first else state.held_tokens)
+        try:
+            if not first:  # refused here, as this chunk: the session goes on
+                check_session_chunk(state.structured_outputs, params)
+            self.engine.processor.process(
+                "session-check", prompt, params, resumable=True,
+                continuation_of=None if first else state.held_tokens)
+        except RequestValidationError as exc:
+            raise rename_param(from_exception(exc), msg.response_format) from exc
         return StreamingInput(prompt=prompt, sampling_params=params), msg.user
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
