@@ -35,6 +35,7 @@ from procs import free_port, stop, wait_healthy  # noqa: E402
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 from slotserve.entrypoints.cli import (  # noqa: E402
     add_engine_arguments,
+    engine_flags,
     engine_kwargs_from_args,
     set_threads,
 )
@@ -57,14 +58,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def engine_cli_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of `args` as `slotserve serve` takes them: the same settings the
     offline baseline gets from engine_kwargs_from_args."""
-    flags: list[str] = []
-    for name, value in engine_kwargs_from_args(args).items():
-        if name == "enable_prefix_caching":
-            flags += [] if value else ["--no-prefix-caching"]
-        elif name == "check":
-            flags += ["--check"] if value else []
-        elif value is not None:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+    flags = engine_flags(engine_kwargs_from_args(args))
     if args.threads is not None:
         flags += ["--threads", str(args.threads)]
     return flags

@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from slotserve.config import (
     CacheConfig,
@@ -20,6 +20,7 @@ from slotserve.config import (
 from slotserve.errors import ConfigError, ModelLoadError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The bundled Shakespeare model (slotserve/default_model), used when no model is given.
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "default_model")
@@ -32,43 +33,58 @@ CHECK_ENV, TRACE_ENV, NATIVE_ATTENTION_ENV = (
     "SLOTSERVE_CHECK", "SLOTSERVE_TRACE", "SLOTSERVE_NATIVE_ATTENTION")
 
 
+def _arg(default: T, help: str, *aliases: str) -> T:
+    """A field of the one table of engine arguments: `LLM(...)` takes its name, and the
+    command line its flag (--name-with-dashes, and any aliases) with this help."""
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    # KV cache budget when num_blocks is not given: bytes (int) or a fraction of free memory
-    # (float); the startup derives num_blocks from it.
-    kv_cache_memory: int | float | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    streaming_session_timeout_s: float = 600.0
-    idle_slot_grace_s: float = 1.0
+    model: str = _arg(DEFAULT_MODEL, "a local Hugging Face model folder or .gguf file "
+                      "(default: the bundled model)")
+    tokenizer: str | None = _arg(None, "the tokenizer's folder (default: the model's)")
+    dtype: str = _arg("auto", "weights and activations: auto, float32, bfloat16, float16")
+    device: str = _arg("auto", "cpu, cuda, cuda:N; auto: a GPU when there is one")
+    max_num_seqs: int = _arg(256, "requests that run at once (the worker's slots)")
+    max_num_batched_tokens: int | None = _arg(None, "tokens per step (default: 2048)")
+    max_model_len: int | None = _arg(None, "context length (default: the model's, at most "
+                                     f"{DEFAULT_MAX_MODEL_LEN_CAP}, or what the cache holds)")
+    block_size: int = _arg(16, "tokens per KV block")
+    num_blocks: int | None = _arg(None, "KV blocks (default: from --kv-cache-memory)")
+    # When num_blocks is not given, the startup derives it from this budget.
+    kv_cache_memory: int | float | None = _arg(
+        None, "KV cache budget: bytes, or a fraction of the free memory")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes",
+                                       "--prefix-caching")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps")
+    long_prefill_token_threshold: int = _arg(0, "at most this many prompt tokens of one "
+                                             "request per step (0: no limit)")
+    policy: Literal["fcfs", "priority"] = _arg("fcfs", "the scheduling policy")
+    streaming_session_timeout_s: float = _arg(600.0, "end a session idle this many seconds",
+                                              "--streaming-session-timeout")
+    idle_slot_grace_s: float = _arg(1.0, "seconds an idle session keeps a worker slot that a "
+                                    "waiting request needs", "--idle-slot-grace")
     # None: half the slots (at least one), so that idle sessions never hold every slot.
-    max_idle_sessions: int | None = None
-    check: bool = False
-    trace_path: str | None = None
-    seed: int | None = None
-    # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
-    native_attention: bool = True
-    # "auto": a GGUF file's quantized weights stay quantized where a native kernel runs them
-    # (models/quantization.py); "none": every weight is dequantized at load.
-    quantization: QuantizationMode = "auto"
-    # Structured outputs: a request whose grammar is not compiled within this many seconds
-    # is refused. Bitmask rows are filled on a helper thread while the forward pass runs
-    # (True), or on the step loop before it (False); None: overlapped when the model runs on
-    # an accelerator, whose forward pass leaves the CPU free, inline on the CPU, where the
-    # forward pass keeps the cores busy and a handoff per step costs a context switch.
-    grammar_compile_timeout_s: float = 10.0
-    grammar_bitmask_overlap: bool | None = None
+    max_idle_sessions: int | None = _arg(None, "idle sessions that may keep their slot and KV "
+                                         "(default: half of --max-num-seqs, at least 1)")
+    check: bool = _arg(False, "run the scheduler/worker invariant checker every step")
+    trace_path: str | None = _arg(None, "record the scheduler's calls to this JSON-lines file")
+    seed: int | None = _arg(None, "seed of the engine's random state")
+    native_attention: bool = _arg(True, "decode attention in the native CPU kernel where it "
+                                  "builds (float32 on the CPU)")
+    # models/quantization.py
+    quantization: QuantizationMode = _arg(
+        "auto", "auto: keep a GGUF file's quantized weights where a kernel runs them; none: "
+        "dequantize every weight at load")
+    grammar_compile_timeout_s: float = _arg(10.0, "refuse a request whose grammar is not "
+                                            "compiled within this many seconds")
+    # None: overlapped when the model runs on an accelerator, whose forward pass leaves the
+    # CPU free; inline on the CPU, where the forward pass keeps the cores busy and a handoff
+    # per step costs a context switch.
+    grammar_bitmask_overlap: bool | None = _arg(
+        None, "fill grammar bitmasks on a helper thread during the forward pass (default: "
+        "on an accelerator)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

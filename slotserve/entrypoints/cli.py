@@ -5,13 +5,16 @@ sets `func`, which takes the parsed arguments and returns an exit code."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import time
-from typing import Any
+import types
+import typing
+from typing import Any, Literal
 
-from slotserve.config import QUANTIZATION_MODES
+from slotserve.engine.args import EngineArgs
 from slotserve.entrypoints import bench_serve
 from slotserve.entrypoints.openai.limits import ServerLimits
 
@@ -39,37 +42,51 @@ def default_num_threads() -> int:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine flags shared by subcommands that build an engine."""
-    parser.add_argument("--model", default=None,
-                        help="local Hugging Face model folder (default: the bundled model)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
-    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
-                        help="auto (default): keep a GGUF file's quantized weights where a "
-                        "kernel runs them; none: dequantize every weight at load")
-    parser.add_argument("--check", action="store_true",
-                        help="run the scheduler/worker invariant checker every step")
+    """One flag per EngineArgs field, its type, default and help read from that table, so a
+    new engine argument reaches every subcommand that builds an engine. Unset flags stay
+    None: EngineArgs' own default applies."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flags = [f"--{f.name.replace('_', '-')}", *f.metadata["aliases"]]
+        help_text = f.metadata["help"]
+        if "default" not in help_text:
+            help_text += f" (default: {f.default})"
+        hint = hints[f.name]
+        kind = ([t for t in typing.get_args(hint) if t is not type(None)]
+                if isinstance(hint, types.UnionType) else [hint])
+        if kind == [bool]:
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                               help=help_text)
+        elif typing.get_origin(kind[0]) is Literal:
+            group.add_argument(*flags, dest=f.name, choices=typing.get_args(kind[0]),
+                               help=help_text)
+        else:
+            group.add_argument(*flags, dest=f.name, type=_number if kind == [int, float]
+                               else kind[0], help=help_text)
     parser.add_argument("--threads", type=int, default=None,
                         help=f"torch CPU threads (default: {default_num_threads()})")
 
 
+def _number(text: str) -> int | float:
+    return float(text) if "." in text or "e" in text.lower() else int(text)
+
+
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": args.model, "dtype": args.dtype, "device": args.device,
-        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size,
-        "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory,
-        "enable_prefix_caching": not args.no_prefix_caching, "policy": args.policy,
-        "check": args.check or None, "quantization": args.quantization,
-    }
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+            if getattr(args, f.name, None) is not None}
+
+
+def engine_flags(kwargs: dict[str, Any]) -> list[str]:
+    """The command-line flags of engine keyword arguments (engine_kwargs_from_args undone)."""
+    flags: list[str] = []
+    for name, value in kwargs.items():
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def set_threads(threads: int | None) -> int:
@@ -81,7 +98,6 @@ def set_threads(threads: int | None) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from slotserve.engine.args import EngineArgs
     from slotserve.errors import SlotServeError
 
     try:
@@ -136,7 +152,6 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message through the chat template")
     add_engine_arguments(p)
@@ -158,15 +173,6 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         "else --api-key)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model as given)")
-    sessions = p.add_argument_group("streaming sessions")
-    sessions.add_argument("--streaming-session-timeout", type=float, default=None,
-                          metavar="SECONDS", help="end a session idle this long (default 600)")
-    sessions.add_argument("--idle-slot-grace", type=float, default=None, metavar="SECONDS",
-                          help="an idle session keeps a worker slot that a waiting request "
-                               "needs at most this long (default 1)")
-    sessions.add_argument("--max-idle-sessions", type=int, default=None,
-                          help="idle sessions that may keep their slot and KV (default: half "
-                               "of --max-num-seqs, at least 1)")
     lim = p.add_argument_group("limits (README: Limits)")
     d = ServerLimits()
     lim.add_argument("--max-request-body-bytes", type=int, default=d.max_body_bytes,
@@ -245,11 +251,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         threads = set_threads(args.threads)
     try:
-        engine = AsyncLLM.from_engine_args(
-            **engine_kwargs_from_args(args),
-            streaming_session_timeout_s=args.streaming_session_timeout,
-            idle_slot_grace_s=args.idle_slot_grace, max_idle_sessions=args.max_idle_sessions,
-            engine_mode=args.engine_mode, threads=threads)
+        engine = AsyncLLM.from_engine_args(**engine_kwargs_from_args(args),
+                                           engine_mode=args.engine_mode, threads=threads)
     except SlotServeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

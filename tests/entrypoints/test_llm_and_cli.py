@@ -7,13 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from slotserve.engine.args import DEFAULT_MODEL
-from slotserve.entrypoints.cli import build_parser
+from slotserve.engine.args import DEFAULT_MODEL, EngineArgs
+from slotserve.entrypoints.cli import build_parser, engine_flags, engine_kwargs_from_args
 from slotserve.entrypoints.llm import LLM
 from slotserve.errors import ConfigError, ModelLoadError
 from slotserve.sampling_params import SamplingParams
@@ -55,6 +56,27 @@ def test_cli_parser_defaults() -> None:
     args = build_parser().parse_args(["generate"])
     assert (args.prompt, args.max_tokens, args.temperature) == ("To be, or not", 150, 0.8)
     assert args.model is None and args.threads is None
+
+
+def test_every_engine_argument_is_a_flag_of_every_engine_subcommand() -> None:
+    """The flags are generated from EngineArgs: each field reaches serve and generate, its
+    aliases and --no- forms too, and engine_flags writes back what was parsed."""
+    parser = build_parser()
+    given = ["--max-num-seqs", "3", "--no-prefix-caching", "--kv-cache-memory", "0.5",
+             "--streaming-session-timeout", "9", "--quantization", "none",
+             "--no-native-attention", "--num-blocks", "64", "--policy", "priority"]
+    expected = {"max_num_seqs": 3, "enable_prefix_caching": False, "kv_cache_memory": 0.5,
+                "streaming_session_timeout_s": 9.0, "quantization": "none",
+                "native_attention": False, "num_blocks": 64, "policy": "priority"}
+    for command in ("serve", "generate"):
+        assert {f.name for f in fields(EngineArgs)} <= set(vars(parser.parse_args([command])))
+        kwargs = engine_kwargs_from_args(parser.parse_args([command, *given]))
+        assert kwargs == expected
+        again = parser.parse_args([command, *engine_flags(kwargs)])
+        assert engine_kwargs_from_args(again) == expected
+        assert EngineArgs.from_kwargs(**kwargs).kv_cache_memory == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--quantization", "fast"])
 
 
 def test_cli_reports_a_missing_model(tmp_path: Path) -> None:
