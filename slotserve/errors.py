@@ -13,10 +13,11 @@ class RequestValidationError(SlotServeError, ValueError):
     `param` names the offending field when there is one (used for OpenAI error bodies).
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class ConfigError(SlotServeError, ValueError):

@@ -119,6 +119,9 @@ class Processor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  eos_token_ids: Sequence[int], *, priority_policy: bool = False) -> None:
         self.tokenizer = tokenizer
+        # A max_tokens past the context is clipped to it; the server sets this False and
+        # refuses such a request instead (as OpenAI does: never fewer tokens than asked for).
+        self.clip_max_tokens = True
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         # Under FCFS a priority other than 0 is refused (as vLLM does): it would only let a
@@ -289,6 +292,12 @@ class Processor:
             from slotserve.structured_output import checked_grammar
 
             grammar = checked_grammar(params.structured_outputs)
+        if (not self.clip_max_tokens and not resumable and params.max_tokens is not None
+                and params.max_tokens > room):
+            raise RequestValidationError(
+                f"max_tokens={params.max_tokens} plus the prompt's {len(token_ids)} tokens "
+                f"exceed the model's context length of {self.max_model_len} tokens",
+                "max_tokens", "context_length_exceeded")
 
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         stop_token_ids = params.stop_token_ids

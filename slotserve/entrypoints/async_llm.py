@@ -195,12 +195,10 @@ class AsyncLLM:
 
     def process_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
                         request_id: str | None = None, *, priority: int = 0) -> ProcessedRequest:
-        """Validate and tokenize a request (raises RequestValidationError, touches nothing)."""
+        """Validate and tokenize a request (raises RequestValidationError, touches nothing;
+        a request id already running is refused when it is submitted)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise RequestValidationError(f"request id {request_id!r} is already running",
-                                         "request_id")
         return self.engine.process_request(request_id, prompt, sampling_params,
                                            priority=priority,
                                            output_kind=RequestOutputKind.DELTA)

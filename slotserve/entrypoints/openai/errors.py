@@ -73,7 +73,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_validation_error(exc: RequestValidationError) -> APIError:
-    return bad_request(exc.message, exc.param)
+    return bad_request(exc.message, exc.param, exc.code)
 
 
 _SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}

@@ -72,6 +72,7 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.max_model_len
         self.admission = admission
+        engine.processor.clip_max_tokens = False  # the API refuses what it would clip
         self._token_text: dict[int, str] = {}
 
     def check_model(self, model: str | None) -> str:
@@ -88,16 +89,7 @@ class OpenAIServing:
         if self.engine.errored:
             # New work gets 503 once the engine is dead (requests it was running got 500).
             raise engine_dead(503)
-        processed = self.engine.process_request(prompt, params, request_id, priority=priority)
-        n_prompt = len(processed.prompt_token_ids)
-        # The engine would clip max_tokens to the context; the API refuses instead, as
-        # OpenAI does, so a client never silently gets fewer tokens than it asked for.
-        if params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len:
-            raise bad_request(
-                f"max_tokens={params.max_tokens} plus the prompt's {n_prompt} tokens exceed "
-                f"the model's context length of {self.max_model_len} tokens", "max_tokens",
-                "context_length_exceeded")
-        return processed
+        return self.engine.process_request(prompt, params, request_id, priority=priority)
 
     # ----- admission ---------------------------------------------------------------------------
 
