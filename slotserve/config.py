@@ -9,7 +9,9 @@ components can disagree about `max_model_len` or `num_blocks`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from slotserve.errors import ConfigError
@@ -18,6 +20,17 @@ from slotserve.errors import ConfigError
 # them (models/quantization.py); "none" dequantizes every weight at load.
 QuantizationMode = Literal["auto", "none"]
 QUANTIZATION_MODES: tuple[QuantizationMode, ...] = ("auto", "none")
+
+
+def cache_root() -> Path:
+    """The one folder for what slotserve derives once and keeps (checkpoint indexes, built
+    kernels): $SLOTSERVE_CACHE_DIR, else $XDG_CACHE_HOME/slotserve, else ~/.cache/slotserve."""
+    explicit = os.environ.get("SLOTSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "slotserve"
 
 
 def check_mode(mode: str) -> QuantizationMode:

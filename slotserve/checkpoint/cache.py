@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from slotserve.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 # Bump when what is cached changes (the index's fields, what gguf_config.derive_config or the
@@ -32,15 +34,6 @@ _HEAD = 16 << 20
 _TAIL = 1 << 20
 _SAMPLES = 32
 _SAMPLE = 64 << 10
-
-
-def cache_root() -> Path:
-    explicit = os.environ.get("SLOTSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "slotserve"
 
 
 def file_key(path: Path) -> str:

@@ -1,8 +1,30 @@
-"""Stop conditions, kept apart from the step loop."""
+"""Stop conditions and the stats snapshot, kept apart from the step loop."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from slotserve.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from slotserve.core.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_paused_sessions: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    # Worker slots held (by running requests, idle sessions, promoted ones), and idle
+    # sessions whose slot a waiting request took (issue 11).
+    num_slots_held: int = 0
+    num_idle_slots_reclaimed: int = 0
+    num_waiting_for_grammar: int = 0
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -34,3 +56,19 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
+
+
+def make_stats(sched: Scheduler) -> SchedulerStats:
+    kv = sched.kv_cache_manager
+    return SchedulerStats(
+        num_running_reqs=len(sched.running),
+        num_waiting_reqs=len(sched.waiting),
+        num_paused_sessions=len(sched.sessions.idle),
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries=kv.prefix_cache_stats.queries,
+        prefix_cache_hits=kv.prefix_cache_stats.hits,
+        num_preemptions=sched.num_preemptions,
+        num_slots_held=len(sched.slot_ledger.holders),
+        num_idle_slots_reclaimed=sched.sessions.num_slots_reclaimed,
+        num_waiting_for_grammar=len(sched.waiting_for_grammar),
+    )

@@ -8,7 +8,6 @@ counted by the SlotLedger, which mirrors the worker's table from the outputs emi
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.block_pool import KVCacheBlock
@@ -22,29 +21,13 @@ from slotserve.core.outputs import (
 )
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.request_queue import create_request_queue
-from slotserve.core.sched_utils import check_stop
+from slotserve.core.sched_utils import SchedulerStats, check_stop, make_stats
 from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
 from slotserve.errors import RequestValidationError
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_paused_sessions: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    # Worker slots held (by running requests, idle sessions, promoted ones), and idle
-    # sessions whose slot a waiting request took (issue 11).
-    num_slots_held: int = 0
-    num_idle_slots_reclaimed: int = 0
-    num_waiting_for_grammar: int = 0
 
 
 class Scheduler:
@@ -147,24 +130,22 @@ class Scheduler:
 
     def _end_request(self, request: Request, status: RequestStatus, message: str | None,
                      rejected: bool = False) -> None:
-        """End a request the scheduler holds, outside update_from_output (an idle session's
-        end or timeout, a sequence that outgrew the cache, a grammar that failed): free it
-        and report its end."""
+        """End a request outside update_from_output (an idle session's end or timeout, a
+        sequence that outgrew the cache, a failed grammar): free it, report its end."""
         request.status = status
         self._free_request(request)
         self.report_end(request.request_id, request.get_finished_reason(), message, rejected)
 
     def report_end(self, request_id: str, finish_reason: str | None, message: str | None,
                    rejected: bool = False) -> None:
-        """The one place an output made outside a step is built (ends, errors, refusals);
-        the next update_from_output returns it."""
+        """Every output made outside a step (an end, an error, a refusal), for the next
+        update_from_output."""
         self.pending_outputs.append(EngineCoreOutput(
             request_id, [], finish_reason, finished=True, finish_message=message,
             rejected=rejected))
 
     def _admit_grammars(self) -> None:
-        """Requests whose grammar is ready join the waiting queue; one whose grammar failed
-        (or did not compile in time) is refused."""
+        """Requests whose grammar is ready join the queue; a failed one is refused."""
         for r in list(self.waiting_for_grammar.values()):
             assert r.structured_output_request is not None
             grammar = r.structured_output_request.grammar
@@ -193,9 +174,8 @@ class Scheduler:
         self.preempted_req_ids.add(request.request_id)
 
     def _reclaim_idle_slot(self, session: Request) -> None:
-        """An idle session gives up its slot and KV (past its grace period while a request
-        waits for a slot, or over the cap of idle sessions); it stays open, keeps its tokens
-        and recomputes them when its next chunk is promoted."""
+        """An idle session gives up slot and KV (past its grace period while a request waits
+        for a slot, or over the idle cap); it keeps its tokens and recomputes them later."""
         self._reclaim_kv(session)
         self.sessions.num_slots_reclaimed += 1
 
@@ -302,8 +282,7 @@ class Scheduler:
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
     def _end_outgrown(self, r: Request) -> None:
-        self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED,
-                          "the sequence outgrew the whole KV cache")
+        self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED, "the sequence outgrew the whole KV cache")
 
     def _can_never_grow(self, r: Request) -> bool:
         # Only r holds blocks and even the whole cache cannot take its next token.
@@ -512,19 +491,7 @@ class Scheduler:
         return self.get_num_unfinished_requests() > 0
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            num_paused_sessions=len(self.sessions.idle),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-            num_preemptions=self.num_preemptions,
-            num_slots_held=len(self.slot_ledger.holders),
-            num_idle_slots_reclaimed=self.sessions.num_slots_reclaimed,
-            num_waiting_for_grammar=len(self.waiting_for_grammar),
-        )
+        return make_stats(self)
 
 
 def _priority_key(r: Request) -> tuple[int, float]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slotserve.core.outputs import EngineCoreOutput
-from slotserve.core.scheduler import SchedulerStats
+from slotserve.core.sched_utils import SchedulerStats
 from slotserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from slotserve.checkpoint.cache import cache_root
+from slotserve.config import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def find_compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Built kernels live in the project's one cache folder (checkpoint/cache.py)."""
+    """Built kernels live in the project's one cache folder (config.cache_root)."""
     return cache_root()
 
 
