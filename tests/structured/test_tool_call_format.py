@@ -111,3 +111,19 @@ def test_every_mode_parses_back(tokenizer: Any, fmt_name: str, tag_tokens: bool)
                 if not parallel or mode == "named":
                     assert len(whole.complete_calls) == 1
     assert calls_seen >= 10
+
+
+@pytest.mark.parametrize("fmt", [HermesFormat(), Llama3JsonFormat()])
+def test_a_call_cut_short_leaks_no_markup_into_the_content(fmt: ToolCallFormat) -> None:
+    """Five complete calls and a sixth that max_tokens cut inside its head: five calls come
+    back, and the content holds none of the format's markup (the cut call is dropped)."""
+    from slotserve.entrypoints.openai.serving_chat import _reply
+    from slotserve.entrypoints.openai.structured import ToolContext
+
+    call = '{"name": "noop", "' + fmt.args_key + '": {}}'
+    first = (fmt.marker or "") + call
+    text = first + "".join(fmt.call_close[1:] + fmt.call_separator + call
+                           for _ in range(4)) + fmt.call_close[1:] + fmt.call_separator + '{"name'
+    message, finish = _reply(ToolContext([], fmt, None), text, "length")
+    assert [c.function.name for c in message.tool_calls] == ["noop"] * 5 and finish == "length"
+    assert not message.content, message.content

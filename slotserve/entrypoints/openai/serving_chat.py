@@ -274,9 +274,10 @@ def _reply(tools: ToolContext | None, text: str,
     parser.finish()
     calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
              for c in parser.complete_calls]
-    # A call that max_tokens cut short is not returned as a call (it would not parse); its
-    # text stays in the content, so nothing the model wrote is lost.
-    text = parser.content + parser.tail
+    # A call that max_tokens cut short (finish_reason "length") is dropped: it would not
+    # parse as a call, and the tool-call markup never appears in the content. (Streamed, its
+    # pieces went out as what they are: deltas of a call that never completed.)
+    text = parser.content
     content = None if calls and not text.strip() else text
     if calls and finish_reason == "stop":
         finish_reason = "tool_calls"
