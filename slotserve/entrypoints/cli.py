@@ -145,7 +145,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 1 if reason == "error" else 0
 
 
-def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+def _add_generate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("generate", help="stream a completion to the terminal")
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=150)
@@ -158,7 +158,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
-def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -275,7 +275,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     p = bench_sub.add_parser("serve", help="load-test a running server")

@@ -92,7 +92,7 @@ def render_chat(processor: Processor, messages: list[ChatMessage], *,
     prompt = processor.render_chat(conversation, add_generation_prompt,
                                    continue_final_message=continue_final_message,
                                    template_kwargs=template_kwargs)
-    return prompt["prompt_token_ids"]
+    return list(prompt["prompt_token_ids"])
 
 
 def _chat_param_names(req: ChatCompletionRequest, err: APIError) -> APIError:
