@@ -1,13 +1,10 @@
-"""The one way to call a scheduler: each state-changing call is recorded and checked.
-
-`SchedulerObserver` wraps the five calls that change a scheduler (add_request,
-finish_requests, reset_prefix_cache, schedule, update_from_output). Each one is written to the
-trace (when recording) and each SchedulerOutput goes through the invariant checker (when
+"""The one way to call a scheduler: the five calls that change it (add_request,
+finish_requests, reset_prefix_cache, schedule, update_from_output) are each written to the
+trace (when recording), and each SchedulerOutput goes through the invariant checker (when
 checking) before anything acts on it. EngineCore, the trace replay, the fuzzer and the
-explorer all drive their scheduler through it, so a trace and the checker see every call.
-A new scheduler call (speculative decoding, adapters) is added here, or neither sees it.
-Reads (requests, has_requests, make_stats) go to `observer.scheduler` directly.
-"""
+explorer drive their scheduler through it; a new scheduler call (speculative decoding,
+adapters) is added here, or neither the trace nor the checker sees it. Reads go to
+`observer.scheduler` directly."""
 
 from __future__ import annotations
 

@@ -173,8 +173,8 @@ class StructuredOutputManager:
                     or r.num_computed_tokens < r.num_tokens):
                 continue
             grammar = r.structured_output_request.grammar
-            assert isinstance(grammar, CompilingGrammar)
-            rows.append((rid, grammar.matcher))
+            assert isinstance(grammar, GuidanceGrammar)
+            rows.append((rid, grammar))
         if not rows:
             return None
         if self._bitmask is None:
@@ -211,27 +211,25 @@ class StructuredOutputManager:
             self._filler.shutdown(wait=False, cancel_futures=True)
 
 
-class CompilingGrammar:
-    """A request's grammar from the moment it is asked for (the StructuredOutputGrammar
-    protocol): ready once its compile ended, with a fresh matcher (a copy of the compiled
-    one) then serving the request, or once it failed or ran past the manager's limit
-    (`error` says which; the scheduler then refuses the request)."""
+class CompilingGrammar(GuidanceGrammar):
+    """A request's matcher from the moment its grammar is asked for: ready once the compile
+    ended (the matcher is then a fresh copy of the compiled one), failed, or ran past the
+    manager's limit (`error` says which, and the scheduler refuses the request)."""
 
-    __slots__ = ("text", "future", "_manager", "_matcher", "_error")
+    __slots__ = ("text", "future", "_manager")
 
     def __init__(self, manager: StructuredOutputManager, text: str) -> None:
-        self.text = text
-        self.future = manager.request_grammar(text)
-        self._manager = manager
-        self._matcher: GuidanceGrammar | None = None
+        # The matcher is set once the compile is done: nothing advances it before.
+        self._consumed: list[int] = []
         self._error: str | None = None
+        self.text, self.future, self._manager = text, manager.request_grammar(text), manager
 
     def is_ready(self) -> bool:
-        if self._matcher is not None or self._error is not None:
+        if self._error is not None or hasattr(self, "matcher"):
             return True
         if self.future.done():
             try:
-                self._matcher = GuidanceGrammar(self.future.result().deep_copy())
+                self.matcher = self.future.result().deep_copy()
             except Exception as exc:  # noqa: BLE001 - GrammarCompileError, or a library failure
                 self._error = f"invalid grammar: {exc}"
             return True
@@ -242,28 +240,6 @@ class CompilingGrammar:
         self._error = ("the grammar was not compiled within the limit of "
                        f"{self._manager.compile_timeout_s:g} s")
         return True
-
-    @property
-    def matcher(self) -> GuidanceGrammar:
-        assert self._matcher is not None, "the grammar is not compiled yet"
-        return self._matcher
-
-    def accept_tokens(self, tokens: list[int]) -> bool:
-        return self.matcher.accept_tokens(tokens)
-
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
-
-    def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
-
-    @property
-    def error(self) -> str | None:
-        return self._error if self._matcher is None else self._matcher.error
-
-    @property
-    def consumed_token_ids(self) -> list[int]:
-        return [] if self._matcher is None else self._matcher.consumed_token_ids
 
 
 def _compiling(requests: Iterable[Request]) -> list[CompilingGrammar]:
