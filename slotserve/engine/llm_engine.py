@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.core_client import EngineCoreClient, EngineMode, make_client
-from slotserve.engine.detokenizer import make_decode_fn
+from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from slotserve.engine.output_processor import OutputProcessor
@@ -57,7 +57,7 @@ class LLMEngine:
             tokenizer, self.max_model_len, model_config.vocab_size,
             eos_token_ids(model_config, tokenizer),
             priority_policy=self.config.scheduler_config.policy == "priority")
-        self.output_processor = OutputProcessor(make_decode_fn(tokenizer))
+        self.output_processor = OutputProcessor(backend_tokenizer(tokenizer))
         # The last failure inside the model's forward pass (its requests ended "error").
         self.last_error: BaseException | None = None
 

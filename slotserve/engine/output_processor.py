@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenizers import Tokenizer
+
 from slotserve.core.outputs import EngineCoreOutput, LogprobsEntry
 from slotserve.core.sessions import kept_output_tokens
-from slotserve.engine.detokenizer import DecodeFn, IncrementalDetokenizer
+from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.processor import ProcessedRequest
 from slotserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from slotserve.sampling_params import StructuredOutputsParams
@@ -111,8 +113,8 @@ def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
 
 
 class OutputProcessor:
-    def __init__(self, decode: DecodeFn) -> None:
-        self._decode = decode
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, SeqState] = {}
         # Groups with work in the engine (not idle sessions, which wait for input by design).
@@ -160,7 +162,7 @@ class OutputProcessor:
         for index, request in enumerate(processed.requests):
             seq = SeqState(
                 request.request_id, index, group,
-                IncrementalDetokenizer(self._decode, processed.prompt_token_ids, params),
+                IncrementalDetokenizer(self._tokenizer, processed.prompt_token_ids, params),
                 RequestMetrics(arrival_time=request.arrival_time,
                                num_prompt_tokens=len(processed.prompt_token_ids)),
                 want_logprobs=params.logprobs is not None,
