@@ -60,7 +60,8 @@ class EngineArgs:
     # Decode attention in the native CPU kernel where it builds (float32 on the CPU).
     native_attention: bool = True
     # "auto": a GGUF file's quantized weights stay quantized where a native kernel runs them
-    # (models/quantization.py); "none": every weight is dequantized at load.
+    # (models/quantization.py), multiplied with 8-bit activations as llama.cpp does;
+    # "exact": the same with float32 activations; "none": every weight dequantized at load.
     quantization: QuantizationMode = "auto"
     # Structured outputs: a request whose grammar is not compiled within this many seconds
     # is refused. Bitmask rows are filled on a helper thread while the forward pass runs

@@ -54,7 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
                         help="auto (default): keep a GGUF file's quantized weights where a "
-                        "kernel runs them; none: dequantize every weight at load")
+                        "kernel runs them, with 8-bit activations as llama.cpp; exact: the "
+                        "same with float32 activations; none: dequantize every weight at load")
     parser.add_argument("--check", action="store_true",
                         help="run the scheduler/worker invariant checker every step")
     parser.add_argument("--threads", type=int, default=None,
