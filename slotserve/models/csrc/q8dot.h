@@ -69,124 +69,173 @@ static inline __m256i bits_to_bytes(uint32_t bits) {  /* byte i: 0xff where bit 
 
 #define LOADU(p) _mm256_loadu_si256((const __m256i*)(p))
 
-/* ---- one block of 32 (Q8_0 / Q8_1 activations): acc += scale * int dot ---------------- */
+/* ---- the weight blocks decoded, 32 values at a time ------------------------------------
+   Each decoder gives chunk c of a block as 32 bytes for the pair dot (`pdot`): signed values
+   for Q4_0 / Q5_0 / Q8_0 (|w| and sign(a, w) then), unsigned ones for the rest, and for the
+   K-quants the int16 scales of its sub-blocks. A weight block is decoded once per tile and
+   multiplied with every activation row of the tile. */
 
-static inline __m256i q4_0_dot(const uint8_t* b, const int8_t* a) {
-    return dot_s8s8(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), LOADU(a));
+typedef struct { __m256i q, sc; } wchunk;
+
+static inline wchunk q4_0_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    (void)c; (void)sc;
+    return (wchunk){_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), _mm256_setzero_si256()};
 }
-static inline __m256i q5_0_dot(const uint8_t* b, const int8_t* a) {
+static inline wchunk q5_0_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    (void)c; (void)sc;
     __m256i hi = _mm256_and_si256(bits_to_bytes(u32le(b + 2)), _mm256_set1_epi8(16));
     __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), hi), _mm256_set1_epi8(16));
-    return dot_s8s8(q, LOADU(a));
+    return (wchunk){q, _mm256_setzero_si256()};
 }
-static inline __m256i q8_0_dot(const uint8_t* b, const int8_t* a) {
-    return dot_s8s8(LOADU(b + 2), LOADU(a));
+static inline wchunk q8_0_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    (void)c; (void)sc;
+    return (wchunk){LOADU(b + 2), _mm256_setzero_si256()};
 }
-static inline __m256i q4_1_dot(const uint8_t* b, const int8_t* a) {
-    return dot_u8s8(nibbles32(b + 4), LOADU(a));
+static inline wchunk q4_1_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    (void)c; (void)sc;
+    return (wchunk){nibbles32(b + 4), _mm256_setzero_si256()};
 }
-static inline __m256i q5_1_dot(const uint8_t* b, const int8_t* a) {
+static inline wchunk q5_1_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    (void)c; (void)sc;
     __m256i hi = _mm256_and_si256(bits_to_bytes(u32le(b + 4)), _mm256_set1_epi8(16));
-    return dot_u8s8(_mm256_or_si256(nibbles32(b + 8), hi), LOADU(a));
+    return (wchunk){_mm256_or_si256(nibbles32(b + 8), hi), _mm256_setzero_si256()};
 }
-
-/* The block interface both families share: the integer vector, the scale its lanes' sum takes
-   (with the activation's d), and a float term w_extra * a_extra (Q4_1 / Q5_1: m * s; the
-   K-quants: the mins; the others: none). `side` is the activation's per-block data after d. */
-#define BLOCK32(NAME, WITH_MIN)                                                               static inline __m256i NAME##_block(const uint8_t* b, const int8_t* a, const void* side,                                         int64_t bi, float* d, float* we, float* ae) {                  *d = f16(b);                                                                                  *we = WITH_MIN ? f16(b + 2) : 0.0f;                                                           *ae = WITH_MIN ? ((const float*)side)[bi] : 0.0f;                                             return NAME##_dot(b, a);                                                                  }
-BLOCK32(q4_0, 0)
-BLOCK32(q5_0, 0)
-BLOCK32(q8_0, 0)
-BLOCK32(q4_1, 1)
-BLOCK32(q5_1, 1)
-
-/* ---- super-blocks of 256 (Q8_K activations) ------------------------------------------- */
-
-/* sum_s sc_s * (int dot of sub-block s), Q4_K / Q5_K: 8 sub-blocks of 32. */
-static inline __m256i q45_k_isum(const uint8_t* qs, const uint8_t* qh, const int8_t* a,
-                                 const uint8_t sc[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    __m256i isum = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        __m256i q = LOADU(qs + 32 * c);
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (qh) {
-            __m256i h = LOADU(qh);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                _mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4));
-        }
-        isum = _mm256_add_epi32(isum, dot_scaled(lo, LOADU(a + 64 * c),
-                                                 _mm256_set1_epi16(sc[2 * c])));
-        isum = _mm256_add_epi32(isum, dot_scaled(hi, LOADU(a + 64 * c + 32),
-                                                 _mm256_set1_epi16(sc[2 * c + 1])));
-    }
-    return isum;
+/* Q4_K / Q5_K: sub-block c is nibble c % 2 of qs[32 (c / 2) ...] (Q5_K: bit c of qh[l] on
+   top); sc: the 8 six-bit scales. */
+static inline wchunk q4_k_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    __m256i q = _mm256_srli_epi16(LOADU(b + 16 + 32 * (c / 2)), 4 * (c % 2));
+    return (wchunk){_mm256_and_si256(q, _mm256_set1_epi8(0x0f)), _mm256_set1_epi16(sc[c])};
 }
-
-/* Q6_K: sum_s sc_s * dot(q6 unsigned, a) over 16 sub-blocks of 16 (the -32 offset is applied
-   by the caller through the activation's bsums). */
-static inline __m256i q6_k_isum(const uint8_t* b, const int8_t* a) {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
+static inline wchunk q5_k_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    __m256i q = _mm256_srli_epi16(LOADU(b + 48 + 32 * (c / 2)), 4 * (c % 2));
+    __m256i h = _mm256_and_si256(_mm256_srli_epi16(LOADU(b + 16), c), _mm256_set1_epi8(1));
+    q = _mm256_or_si256(_mm256_and_si256(q, _mm256_set1_epi8(0x0f)), _mm256_slli_epi16(h, 4));
+    return (wchunk){q, _mm256_set1_epi16(sc[c])};
+}
+/* Q6_K: chunk c = 32 s + 128 h (s = c % 4, h = c / 4): the low nibble (s < 2) or high nibble
+   of ql[64 h + 32 (s % 2) ...], bits 2 s of qh[32 h ...] on top (unsigned, 0..63; the -32 is
+   applied through the activation sums); its two 16-value halves have their own int8 scale. */
+static inline wchunk q6_k_chunk(const uint8_t* b, int c, const uint8_t* sc) {
+    (void)sc;
+    int h = c / 4, s = c % 4;
     const int8_t* scales = (const int8_t*)(b + 192);
-    __m256i isum = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) {
-        __m256i l0 = LOADU(b + 64 * h), l1 = LOADU(b + 64 * h + 32), qh = LOADU(b + 128 + 32 * h);
-        __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                         _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                         _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-        for (int s = 0; s < 4; s++) {
-            __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), m2);
-            __m256i q = _mm256_or_si256(lo[s], _mm256_slli_epi16(hb, 4));
-            int e = 8 * h + 2 * s;
-            __m256i sc = _mm256_set_m128i(_mm_set1_epi16(scales[e + 1]), _mm_set1_epi16(scales[e]));
-            isum = _mm256_add_epi32(isum, dot_scaled(q, LOADU(a + 128 * h + 32 * s), sc));
-        }
-    }
-    return isum;
+    __m256i lo = _mm256_and_si256(_mm256_srli_epi16(LOADU(b + 64 * h + 32 * (s % 2)), 4 * (s / 2)),
+                                  _mm256_set1_epi8(0x0f));
+    __m256i hb = _mm256_and_si256(_mm256_srli_epi16(LOADU(b + 128 + 32 * h), 2 * s),
+                                  _mm256_set1_epi8(3));
+    int e = 8 * h + 2 * s;
+    return (wchunk){_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)),
+                    _mm256_set_m128i(_mm_set1_epi16(scales[e + 1]), _mm_set1_epi16(scales[e]))};
 }
 
-/* One super-block (side: the activation's bsums): the min term is -dmin * d_a * sum_s mn_s *
-   bsum_s (Q4_K / Q5_K); Q6_K has none, its -32 offset is an exact integer folded into the
-   vector. */
-static inline __m256i q45_k_block(const uint8_t* b, const int8_t* a, const int16_t* bs,
-                                  float* d, float* we, int32_t* msum, const int five) {
-    uint8_t sc[8], mn[8];
-    scale_min_k4(b + 4, sc, mn);
-    int32_t ms = 0;
-    for (int s = 0; s < 8; s++) ms += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-    *d = f16(b);
-    *we = -f16(b + 2);
-    *msum = ms;
-    return five ? q45_k_isum(b + 48, b + 16, a, sc) : q45_k_isum(b + 16, 0, a, sc);
-}
-#define BLOCK_K(NAME, FIVE)                                                                   static inline __m256i NAME##_block(const uint8_t* b, const int8_t* a, const void* side,                                         int64_t bi, float* d, float* we, float* ae) {                  int32_t msum;                                                                                 __m256i v = q45_k_block(b, a, (const int16_t*)side + 16 * bi, d, we, &msum, FIVE);            *ae = (float)msum;                                                                            return v;                                                                                 }
-BLOCK_K(q4_k, 0)
-BLOCK_K(q5_k, 1)
+/* The pair dots: a chunk of weights with 32 activation bytes, 8 int32 lanes. */
+#define PDOT_SIGNED(w, a) dot_s8s8((w).q, a)
+#define PDOT_UNSIGNED(w, a) dot_u8s8((w).q, a)
+#define PDOT_SCALED(w, a) dot_scaled((w).q, a, (w).sc)
 
-static inline __m256i q6_k_block(const uint8_t* b, const int8_t* a, const void* side,
-                                 int64_t bi, float* d, float* we, float* ae) {
-    const int8_t* scales = (const int8_t*)(b + 192);
-    const int16_t* bs = (const int16_t*)side + 16 * bi;
-    int32_t off = 0;
-    for (int s = 0; s < 16; s++) off += scales[s] * bs[s];
-    *d = f16(b + 208);
-    *we = *ae = 0.0f;
-    return _mm256_sub_epi32(q6_k_isum(b, a), _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
-}
+/* A block's scales: d (times the activation's d for the lanes' sum) and the min term's. For
+   the K-quants `mins` gets the int16 per 16 activation values that, madd'ed with the
+   activation's bsums, give the min (Q4_K / Q5_K: mn_s twice) or offset (Q6_K: 32 sc_s) sum. */
+typedef struct { float d, dmin; __m256i mins; uint8_t sc[8]; } whead;
 
-/* NR weight rows (nr <= 4) times one activation row: acc += (d_w * d_a) * isum per block,
-   the extra term scaled by d_a as well for the K-quants (their s is d_a * bsum). */
-#define DOTQ(NAME, BYTES, BLOCK)                                                              static inline __attribute__((always_inline)) void NAME##_q8(                                         const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act, int64_t k,              float* y, const int nr) {                                                                 const int8_t* aq = (const int8_t*)act;                                                        const float* ad = (const float*)(act + k);                                                    const void* side = ad + nb;                                                                   __m256 acc[4];                                                                                float extra[4] = {0, 0, 0, 0};                                                                for (int j = 0; j < nr; j++) acc[j] = _mm256_setzero_ps();                                    for (int64_t b = 0; b < nb; b++) {                                                                for (int j = 0; j < nr; j++) {                                                                    const uint8_t* blk = w + j * row_bytes + (BYTES) * b;                                         float d, we, ae;                                                                              __m256i isum = NAME##_block(blk, aq + (BLOCK) * b, side, b, &d, &we, &ae);                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * ad[b]), _mm256_cvtepi32_ps(isum),                                          acc[j]);                                                             extra[j] += we * ((BLOCK) == 256 ? ad[b] * ae : ae);                                      }                                                                                         }                                                                                             for (int j = 0; j < nr; j++) y[j] = hsum8(acc[j]) + extra[j];                             }
-DOTQ(q4_0, 18, 32)
-DOTQ(q5_0, 22, 32)
-DOTQ(q8_0, 34, 32)
-DOTQ(q4_1, 20, 32)
-DOTQ(q5_1, 24, 32)
-DOTQ(q4_k, 144, 256)
-DOTQ(q5_k, 176, 256)
-DOTQ(q6_k, 210, 256)
+static inline whead head32(const uint8_t* b, int with_min) {
+    whead h;
+    h.d = f16(b);
+    h.dmin = with_min ? f16(b + 2) : 0.0f;
+    h.mins = _mm256_setzero_si256();
+    return h;
+}
+static inline whead head45_k(const uint8_t* b) {
+    whead h;
+    uint8_t mn[8];
+    scale_min_k4(b + 4, h.sc, mn);
+    h.d = f16(b);
+    h.dmin = -f16(b + 2);
+    h.mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i*)mn),
+                                                    _mm_loadl_epi64((const __m128i*)mn)));
+    return h;
+}
+static inline whead head6_k(const uint8_t* b) {
+    whead h;
+    h.d = f16(b + 208);
+    h.dmin = 0.0f;  /* the offset is exact: folded into isum */
+    h.mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192))),
+                               5);
+    return h;
+}
+#define HEAD_Q4_0(b) head32(b, 0)
+#define HEAD_Q5_0(b) head32(b, 0)
+#define HEAD_Q8_0(b) head32(b, 0)
+#define HEAD_Q4_1(b) head32(b, 1)
+#define HEAD_Q5_1(b) head32(b, 1)
+#define HEAD_Q4_K(b) head45_k(b)
+#define HEAD_Q5_K(b) head45_k(b)
+#define HEAD_Q6_K(b) head6_k(b)
+
+#ifndef Q8_MR
+#define Q8_MR 4  /* activation rows per tile */
+#endif
+
+/* A tile: mr activation rows (rows arb bytes apart) times nr weight rows (row_bytes apart),
+   all nb blocks; y[i * ldy + j]. Per block: every weight row's chunks decoded once, their
+   integer dots with each activation row summed over the block's chunks, then
+   acc += (d_w * d_a) * isum (+ the min term: Q4_1 / Q5_1 m_w * s_a, K-quants
+   dmin_w * d_a * (mins . bsums), Q6_K's -32 offset as an exact integer in isum). */
+#define Q8_TILE(NAME, HEAD, BYTES, BLOCK, CHUNKS, PDOT, KIND)                                 \
+static inline __attribute__((always_inline)) void NAME##_tile(                               \
+        const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act, int64_t arb,    \
+        int64_t k, float* y, int64_t ldy, const int mr, const int nr) {                      \
+    __m256 acc[Q8_MR][4];                                                                     \
+    float extra[Q8_MR][4];                                                                    \
+    for (int i = 0; i < mr; i++)                                                              \
+        for (int j = 0; j < nr; j++) { acc[i][j] = _mm256_setzero_ps(); extra[i][j] = 0; }    \
+    for (int64_t b = 0; b < nb; b++) {                                                        \
+        whead hd[4];                                                                          \
+        __m256i isum[Q8_MR][4];                                                               \
+        for (int j = 0; j < nr; j++) hd[j] = HEAD(w + j * row_bytes + (BYTES) * b);           \
+        for (int i = 0; i < mr; i++)                                                          \
+            for (int j = 0; j < nr; j++) isum[i][j] = _mm256_setzero_si256();                 \
+        for (int c = 0; c < (CHUNKS); c++) {                                                  \
+            for (int j = 0; j < nr; j++) {                                                    \
+                wchunk wc = NAME##_chunk(w + j * row_bytes + (BYTES) * b, c, hd[j].sc);        \
+                for (int i = 0; i < mr; i++) {                                                \
+                    __m256i av = LOADU(act + i * arb + (BLOCK) * b + 32 * c);                 \
+                    isum[i][j] = _mm256_add_epi32(isum[i][j], PDOT(wc, av));                  \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < mr; i++) {                                                        \
+            const float* ad = (const float*)(act + i * arb + k);                              \
+            for (int j = 0; j < nr; j++) {                                                    \
+                __m256i is = isum[i][j];                                                      \
+                if ((KIND) == ACT_Q8_K) {                                                     \
+                    const int16_t* bs = (const int16_t*)(ad + nb) + 16 * b;                   \
+                    __m256i ms = _mm256_madd_epi16(hd[j].mins, LOADU(bs));                    \
+                    if ((CHUNKS) == 8 && (BYTES) == 210) {                                    \
+                        is = _mm256_sub_epi32(is, ms);                                        \
+                    } else {                                                                  \
+                        acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(hd[j].dmin * ad[b]),       \
+                                                    _mm256_cvtepi32_ps(ms), acc[i][j]);       \
+                    }                                                                         \
+                } else if ((KIND) == ACT_Q8_1) {                                              \
+                    extra[i][j] += hd[j].dmin * ad[nb + b];                                   \
+                }                                                                             \
+                acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(hd[j].d * ad[b]),                  \
+                                            _mm256_cvtepi32_ps(is), acc[i][j]);               \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int i = 0; i < mr; i++)                                                              \
+        for (int j = 0; j < nr; j++) y[i * ldy + j] = hsum8(acc[i][j]) + extra[i][j];         \
+}
+Q8_TILE(q4_0, HEAD_Q4_0, 18, 32, 1, PDOT_SIGNED, ACT_Q8_0)
+Q8_TILE(q5_0, HEAD_Q5_0, 22, 32, 1, PDOT_SIGNED, ACT_Q8_0)
+Q8_TILE(q8_0, HEAD_Q8_0, 34, 32, 1, PDOT_SIGNED, ACT_Q8_0)
+Q8_TILE(q4_1, HEAD_Q4_1, 20, 32, 1, PDOT_UNSIGNED, ACT_Q8_1)
+Q8_TILE(q5_1, HEAD_Q5_1, 24, 32, 1, PDOT_UNSIGNED, ACT_Q8_1)
+Q8_TILE(q4_k, HEAD_Q4_K, 144, 256, 8, PDOT_SCALED, ACT_Q8_K)
+Q8_TILE(q5_k, HEAD_Q5_K, 176, 256, 8, PDOT_SCALED, ACT_Q8_K)
+Q8_TILE(q6_k, HEAD_Q6_K, 210, 256, 8, PDOT_SCALED, ACT_Q8_K)
 
 #else  /* portable: the same integer sums in plain C */
 #define Q8_ISA "portable"

@@ -375,10 +375,20 @@ int slotserve_q8_quantize(int32_t kind, const float* x, int64_t ldx, int64_t m, 
 const char* slotserve_q8_isa(void) { return Q8_ISA; }
 
 #ifdef Q8_SIMD
-typedef void (*q8_rows_fn)(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, float*,
-                           const int);
-/* Four weight rows at a time against every activation row of a pass; their bytes, and those
-   PREFETCH_BYTES further on, requested first (the weight streams from DRAM once per step). */
+/* Four weight rows at a time against the activation rows of a pass, Q8_MR at a time; the
+   rows' bytes, and those PREFETCH_BYTES further on, requested first (the weight streams from
+   DRAM once per step). */
+#define Q8_TILES(NAME, NR)                                                                    \
+    for (int64_t i = m0; i < m1; i += Q8_MR) {                                                \
+        const uint8_t* a_ = act + i * arb;                                                    \
+        float* y_ = y + i * ldy + r;                                                          \
+        switch (m1 - i < Q8_MR ? (int)(m1 - i) : Q8_MR) {                                     \
+            case 1: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 1, NR); break;       \
+            case 2: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 2, NR); break;       \
+            case 3: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 3, NR); break;       \
+            default: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, Q8_MR, NR); break;  \
+        }                                                                                     \
+    }
 #define Q8_MM(NAME)                                                                           \
 static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
                       int64_t arb, int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,  \
@@ -388,12 +398,12 @@ static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uin
         const uint8_t* row = w + r * row_bytes;                                               \
         for (int64_t p = 0; p < 4 * row_bytes; p += 64)                                       \
             __builtin_prefetch(row + p + PREFETCH_BYTES, 0, 0);                               \
-        for (int64_t i = m0; i < m1; i++)                                                     \
-            NAME##_q8(row, row_bytes, nb, act + i * arb, k, y + i * ldy + r, 4);              \
+        Q8_TILES(NAME, 4)                                                                     \
     }                                                                                         \
-    for (; r < n1; r++)                                                                       \
-        for (int64_t i = m0; i < m1; i++)                                                     \
-            NAME##_q8(w + r * row_bytes, row_bytes, nb, act + i * arb, k, y + i * ldy + r, 1);\
+    for (; r < n1; r++) {                                                                     \
+        const uint8_t* row = w + r * row_bytes;                                               \
+        Q8_TILES(NAME, 1)                                                                     \
+    }                                                                                         \
 }
 Q8_MM(q4_0) Q8_MM(q4_1) Q8_MM(q5_0) Q8_MM(q5_1) Q8_MM(q8_0) Q8_MM(q4_k) Q8_MM(q5_k)
 Q8_MM(q6_k)
