@@ -67,8 +67,11 @@ _ERRORS = {1: "the weight type has no kernel",
            4: "a row id is outside the weight"}
 _NR = 4  # the kernel's register tile: weight rows per tile, the split granularity
 _TILE_FLOATS = 48 * 1024  # the kernel uses at most this much scratch per thread (192 KiB)
-# Below this many multiply-adds per call the thread pool costs more than it saves.
+# Below this many multiply-adds per call the thread pool's hand-off (tens of microseconds)
+# costs more than it saves; the int8 path does about 3x the multiply-adds per second, so its
+# bar is higher. At one sequence only Gemma 3's 262k-row output projection is split.
 _PARALLEL_MIN_WORK = 1 << 22
+_PARALLEL_MIN_WORK_INT8 = 1 << 24
 
 
 class _Lib:
@@ -246,8 +249,8 @@ class QuantWeight:
             return
         threads = torch.get_num_threads()
         if threads > 1:  # small products are not worth the pool's hand-offs
-            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= _PARALLEL_MIN_WORK \
-                else 1
+            bar = _PARALLEL_MIN_WORK_INT8 if self.int8 else _PARALLEL_MIN_WORK
+            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= bar else 1
         run: Callable[[int, int, int], None]
         if self.int8:
             act = acts.get(self.act_kind) if acts is not None else None
