@@ -147,9 +147,10 @@ def _time_quantized_matmuls() -> dict[tuple[int, int, str], list[float]]:
     times: dict[tuple[int, int, str], list[float]] = {}
     kernel = native_qmatmul.QuantWeight.matmul
 
-    def timed(self: native_qmatmul.QuantWeight, x: torch.Tensor, out: torch.Tensor) -> None:
+    def timed(self: native_qmatmul.QuantWeight, x: torch.Tensor, out: torch.Tensor,
+              acts: dict[int, torch.Tensor] | None = None) -> None:
         t0 = time.thread_time()
-        kernel(self, x, out)
+        kernel(self, x, out, acts)
         key = (self.n, self.k, native_qmatmul.KERNEL_TYPES[self.qtype])
         times.setdefault(key, []).append(time.thread_time() - t0)
 
