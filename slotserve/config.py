@@ -17,9 +17,11 @@ from typing import Literal
 from slotserve.errors import ConfigError
 
 # --quantization: "auto" keeps a GGUF file's quantized weights where a native kernel runs
-# them (models/quantization.py); "none" dequantizes every weight at load.
-QuantizationMode = Literal["auto", "none"]
-QUANTIZATION_MODES: tuple[QuantizationMode, ...] = ("auto", "none")
+# them (models/quantization.py) and multiplies them with 8-bit activations as llama.cpp does;
+# "exact" keeps them too but multiplies with float32 activations (dequantize-then-matmul up
+# to the order of the sums); "none" dequantizes every weight at load.
+QuantizationMode = Literal["auto", "exact", "none"]
+QUANTIZATION_MODES: tuple[QuantizationMode, ...] = ("auto", "exact", "none")
 
 
 def cache_root() -> Path:
@@ -34,10 +36,9 @@ def cache_root() -> Path:
 
 
 def check_mode(mode: str) -> QuantizationMode:
-    if mode == "auto":
-        return "auto"
-    if mode == "none":
-        return "none"
+    for known in QUANTIZATION_MODES:
+        if mode == known:
+            return known
     raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
                       f"got {mode!r}")
 

@@ -75,7 +75,8 @@ class EngineArgs:
                                   "builds (float32 on the CPU)")
     # models/quantization.py
     quantization: QuantizationMode = _arg(
-        "auto", "auto: keep a GGUF file's quantized weights where a kernel runs them; none: "
+        "auto", "auto: keep a GGUF file's quantized weights where a kernel runs them, with "
+        "8-bit activations as llama.cpp; exact: the same with float32 activations; none: "
         "dequantize every weight at load")
     grammar_compile_timeout_s: float = _arg(10.0, "refuse a request whose grammar is not "
                                             "compiled within this many seconds")

@@ -50,8 +50,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, max_positions: int | None = None,
                quantization: QuantizationMode | str = "auto",
                ) -> tuple[DecoderForCausalLM, ModelConfig]:
-    """`quantization`: "auto" keeps what a native kernel runs in the file's blocks, "none"
-    dequantizes every tensor (the reference path)."""
+    """`quantization`: "auto" keeps what a native kernel runs in the file's blocks (8-bit
+    activations), "exact" too (float32 activations), "none" dequantizes every tensor (the
+    reference path)."""
     mode = check_mode(quantization)
     ckpt = resolve_checkpoint(path)
     cfg = ckpt.config

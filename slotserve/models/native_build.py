@@ -2,10 +2,18 @@
 
 Each kernel ships as C source (package data). `compile_library` compiles it into the slotserve
 cache directory (`$SLOTSERVE_CACHE_DIR`, else `$XDG_CACHE_HOME/slotserve`), keyed by source,
-flags, compiler and CPU flags; builds are locked across processes and atomic (a process
+flags, compiler and CPU level; builds are locked across processes and atomic (a process
 loading the library concurrently sees either no file or the whole file). `load_kernel` builds
 or reuses the library and returns it loaded, or None after logging why once; callers keep a
-torch path for that case. Kernels never read the environment beyond $CC and the cache dir.
+torch path for that case.
+
+CPU levels: every kernel is built for one x86-64 level (`CPU_LEVELS`: v4 = AVX-512, with or
+without VNNI; v3 = AVX2 + FMA + F16C, with or without AVX-VNNI; v2 = the portable C paths),
+chosen at run time as the best one /proc/cpuinfo's flags allow, so one cache folder serves
+any CPU and the code that runs is the code the tests built for that level. A kernel's own
+`-march` is replaced by its level's flags. `SLOTSERVE_CPU_LEVEL=<name>` forces a lower level
+(benchmarks of the AVX2 code on an AVX-512 machine); that, $CC and the cache dir are all the
+environment the kernels read.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slotserve.config import cache_root
+from slotserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,65 @@ class KernelSource:
     link_variants: tuple[tuple[str, ...], ...] = ((),)
 
 
+@dataclass(frozen=True, slots=True)
+class CpuLevel:
+    """An instruction-set level the kernels are built for: gcc flags, and the /proc/cpuinfo
+    flags a CPU needs to run the result."""
+
+    name: str
+    cflags: tuple[str, ...]
+    needs: frozenset[str]
+    what: str  # for log lines
+
+
+_V2 = frozenset({"cx16", "popcnt", "sse4_1", "sse4_2", "ssse3"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "abm"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+# Best first. The portable level has no x86 flags: it is the only one off x86-64.
+CPU_LEVELS: tuple[CpuLevel, ...] = (
+    CpuLevel("v4-vnni", ("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"},
+             "AVX-512 with VNNI"),
+    CpuLevel("v4", ("-march=x86-64-v4",), _V4, "AVX-512"),
+    CpuLevel("v3-vnni", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"},
+             "AVX2 with AVX-VNNI"),
+    CpuLevel("v3", ("-march=x86-64-v3",), _V3, "AVX2"),
+    CpuLevel("v2", ("-march=x86-64-v2",), _V2, "portable C (x86-64-v2)"),
+)
+PORTABLE = CpuLevel("portable", (), frozenset(), "portable C")
+_LEVEL_ENV = "SLOTSERVE_CPU_LEVEL"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def supported_levels() -> list[CpuLevel]:
+    """The levels this CPU runs, best first."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [PORTABLE]
+    flags = _cpu_flags()
+    return [lv for lv in CPU_LEVELS if lv.needs <= flags] or [PORTABLE]
+
+
+def cpu_level() -> CpuLevel:
+    """The level kernels are built for here: the best supported, or $SLOTSERVE_CPU_LEVEL."""
+    levels = supported_levels()
+    forced = os.environ.get(_LEVEL_ENV)
+    if not forced:
+        return levels[0]
+    for lv in levels:
+        if lv.name == forced:
+            return lv
+    known = ", ".join(lv.name for lv in (*CPU_LEVELS, PORTABLE))
+    raise ConfigError(f"{_LEVEL_ENV}={forced!r} is not a level this CPU runs (it runs "
+                      f"{', '.join(lv.name for lv in levels)}; levels: {known})")
+
+
 class NativeBuildError(RuntimeError):
     """The C compiler rejected the kernel with every link variant."""
 
@@ -57,22 +126,17 @@ def cache_dir() -> Path:
     return cache_root()
 
 
-def _cpu_flags() -> str:
-    # -march=native code must not be reused on a different CPU sharing the cache directory.
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
+def build_flags(kernel: KernelSource, level: CpuLevel) -> list[str]:
+    return [*(f for f in kernel.cflags if not f.startswith("-march=")), *level.cflags]
 
 
-def library_path(kernel: KernelSource, cc: str, cache: Path) -> Path:
+def library_path(kernel: KernelSource, cc: str, cache: Path, level: CpuLevel) -> Path:
     # The headers beside the source are part of what gets compiled (they include each other
     # by name), so they are part of the key too.
     headers = sorted(kernel.source.parent.glob("*.h"))
     key = hashlib.sha256(b"".join(p.read_bytes() for p in [kernel.source, *headers])
-                         + " ".join([*kernel.cflags, cc, _cpu_flags()]).encode())
-    return cache / f"{kernel.name}_{key.hexdigest()[:16]}.so"
+                         + " ".join([*build_flags(kernel, level), cc]).encode())
+    return cache / f"{kernel.name}_{level.name}_{key.hexdigest()[:16]}.so"
 
 
 @contextmanager
@@ -93,12 +157,15 @@ def _build_lock(cache: Path) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
-def compile_library(kernel: KernelSource, cc: str, cache: Path) -> Path:
-    """Build the kernel into `cache` unless it is there already; returns the library's path.
+def compile_library(kernel: KernelSource, cc: str, cache: Path,
+                    level: CpuLevel | None = None) -> Path:
+    """Build the kernel for `level` (default: cpu_level()) into `cache` unless it is there
+    already; returns the library's path.
 
     Raises NativeBuildError when it does not compile, OSError / SubprocessError otherwise.
     """
-    lib = library_path(kernel, cc, cache)
+    level = cpu_level() if level is None else level
+    lib = library_path(kernel, cc, cache, level)
     if lib.is_file():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
@@ -110,8 +177,8 @@ def compile_library(kernel: KernelSource, cc: str, cache: Path) -> Path:
             out = Path(tmp) / f"{kernel.name}.so"
             errors = ""
             for extra in kernel.link_variants:
-                res = subprocess.run([cc, *kernel.cflags, str(kernel.source), "-o", str(out),
-                                      *extra], capture_output=True, text=True,
+                res = subprocess.run([cc, *build_flags(kernel, level), str(kernel.source),
+                                      "-o", str(out), *extra], capture_output=True, text=True,
                                      timeout=_COMPILE_TIMEOUT_S)
                 if res.returncode == 0:
                     break
@@ -122,23 +189,28 @@ def compile_library(kernel: KernelSource, cc: str, cache: Path) -> Path:
     return lib
 
 
-def load_kernel(kernel: KernelSource, what: str) -> ctypes.CDLL | None:
-    """Compile (or reuse) and load the kernel; None, after logging why, when that fails.
-    `what` completes the log line: "<kernel> unavailable (<what>)"."""
+def load_kernel(kernel: KernelSource, what: str,
+                level: CpuLevel | None = None) -> ctypes.CDLL | None:
+    """Compile (or reuse) and load the kernel for `level` (default: cpu_level(), logged);
+    None, after logging why, when that fails. `what` completes the log line: "<kernel>
+    unavailable (<what>)"."""
     cc = find_compiler()
     if cc is None:
         logger.info("no C compiler found: %s unavailable (%s)", kernel.name, what)
         return None
     cache = cache_dir()
+    if level is None:
+        level = cpu_level()
+        logger.info("native kernel %s: built for %s (%s)", kernel.name, level.name, level.what)
     try:
-        lib = compile_library(kernel, cc, cache)
+        lib = compile_library(kernel, cc, cache, level)
         try:
             return ctypes.CDLL(str(lib))
         except OSError:
             # A damaged cached file (a process killed mid-copy before builds were atomic, a
             # full disk): rebuild it once.
             lib.unlink(missing_ok=True)
-            return ctypes.CDLL(str(compile_library(kernel, cc, cache)))
+            return ctypes.CDLL(str(compile_library(kernel, cc, cache, level)))
     except NativeBuildError as exc:
         logger.warning("native kernel %s did not compile (%s): %s", kernel.name, what, exc)
     except (OSError, subprocess.SubprocessError) as exc:

@@ -1,24 +1,33 @@
 """Native block-quantized matmul on the CPU: y = x @ W^T with W kept in a GGUF block format.
 
-Why a kernel of our own (measured on this project's machine, 1 thread; README "Quantized
-weights"): torch 2.13's CPU kernels for grouped low-bit weights either take float32
-activations and run at 1-3 GFLOP/s (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`,
-30-100x slower than sgemm), or need bfloat16 activations and scales, or quantize the
-activations (`_dyn_quant_matmul_4bit`, `_int_mm`), which changes the model's numbers beyond
-the file's own format. `_weight_int8pack_mm` also has one scale per output channel only, and
-Q8_0 / Q5_0 / Q6_K have one per 32 (or 16) values. `csrc/qmatmul.c` dequantizes tiles of the
-weight to exactly gguf's float32 values and multiplies them with float32 activations, so the
-result equals dequantize-then-matmul up to the order of the float32 sums; the torch path (the
-weight dequantized once, `F.linear`) stays the reference and the fallback.
+Two ways to multiply (`--quantization`):
+
+* `auto` (int8 activations, llama.cpp's scheme): every row of x is quantized once per call
+  to 8 bits with llama.cpp's rounding, Q8_K for the K-quants and Q8_0 / Q8_1 for the others
+  (`ACT_KINDS`), and multiplied with integer dot products per block, then the block scales
+  (`csrc/q8act.h`, `csrc/q8dot.h`; AVX-512 VNNI, AVX-VNNI, AVX2 or portable C, whatever the
+  CPU level the library was built for has). Four times the multiply-adds per instruction of
+  float32, and what llama.cpp's own numbers are.
+* `exact` (float32 activations): `csrc/qmatmul.c` dequantizes tiles of the weight to exactly
+  gguf's float32 values and multiplies them with float32 activations, so the result equals
+  dequantize-then-matmul up to the order of the float32 sums; the torch path (`none`: the
+  weight dequantized once, `F.linear`) stays the reference and the fallback.
+
+Why kernels of our own (measured on this project's machine; README "Quantized weights"):
+torch 2.13's CPU kernels for grouped low-bit weights either take float32 activations and run
+at 1-3 GFLOP/s (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), or need bfloat16
+activations and scales, and `_weight_int8pack_mm` has one scale per output channel only,
+where Q8_0 / Q5_0 / Q6_K have one per 32 (or 16) values.
 
 Types with a kernel: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (`KERNEL_TYPES`). The
-library is built like the decode-attention kernel (`native_build`); when it cannot be built,
-`qmatmul_available()` says no (logged once) and the loader dequantizes instead.
+library is built like the decode-attention kernel (`native_build`, one library per CPU level);
+when it cannot be built, `qmatmul_available()` says no (logged once) and the loader
+dequantizes instead.
 
 `QuantWeight` checks a weight once and its calls' arguments every time, for real
 (`NativeKernelError`, not asserts); the kernel checks the block layout, row ranges and row ids
-again before reading. Nothing is allocated per call: the dequantization scratch is per calling
-thread and grows to the largest need seen.
+again before reading. Nothing is allocated per call: the dequantization scratch and the
+quantized activations are per calling thread and grow to the largest need seen.
 """
 
 from __future__ import annotations
@@ -31,26 +40,38 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from slotserve.models.native_attention import NativeKernelError
-from slotserve.models.native_build import CSRC, KernelSource, kernel_pool, load_kernel
+from slotserve.models.native_build import (
+    CSRC,
+    CpuLevel,
+    KernelSource,
+    cpu_level,
+    kernel_pool,
+    load_kernel,
+)
 
 KERNEL = KernelSource(
     "qmatmul", CSRC / "qmatmul.c",
     # No contraction of the dequantizers' multiply-then-add: their values must be gguf's.
-    ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
-     "-shared", "-fPIC"))
+    # The instruction set comes from the CPU level (native_build.CPU_LEVELS).
+    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"))
 
 # GGML type id -> name, for the types the kernel runs (gguf's enum of ggml.h's ggml_type).
 KERNEL_TYPES: dict[int, str] = {int(q): q.name for q in (
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
 # The kernel's return codes (the enum at the top of qmatmul.c).
+# The activation quantization each type's integer dot product takes (q8act.h's enum).
+ACT_KINDS: dict[int, str] = {0: "Q8_0", 1: "Q8_1", 2: "Q8_K"}
 _ERRORS = {1: "the weight type has no kernel",
            2: "the shape does not fit the type's block layout or the row range is bad",
            3: "the scratch buffer is too small",
            4: "a row id is outside the weight"}
 _NR = 4  # the kernel's register tile: weight rows per tile, the split granularity
 _TILE_FLOATS = 48 * 1024  # the kernel uses at most this much scratch per thread (192 KiB)
-# Below this many multiply-adds per call the thread pool costs more than it saves.
+# Below this many multiply-adds per call the thread pool's hand-off (tens of microseconds)
+# costs more than it saves; the int8 path does about 3x the multiply-adds per second, so its
+# bar is higher. At one sequence only Gemma 3's 262k-row output projection is split.
 _PARALLEL_MIN_WORK = 1 << 22
+_PARALLEL_MIN_WORK_INT8 = 1 << 24
 
 
 class _Lib:
@@ -62,6 +83,22 @@ class _Lib:
         self.rows: Callable[..., int] = dll.slotserve_dequant_rows_f32
         self.rows.argtypes = [ctypes.c_int32, p, i, i, i, p, i, p, i]
         self.rows.restype = ctypes.c_int
+        self.q8_matmul: Callable[..., int] = dll.slotserve_qmatmul_q8
+        self.q8_matmul.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i, i, i]
+        self.q8_matmul.restype = ctypes.c_int
+        self.quantize: Callable[..., int] = dll.slotserve_q8_quantize
+        self.quantize.argtypes = [ctypes.c_int32, p, i, i, i, p, i]
+        self.quantize.restype = ctypes.c_int
+        self.act_row_bytes: Callable[..., int] = dll.slotserve_q8_act_row_bytes
+        self.act_row_bytes.argtypes = [ctypes.c_int32, i]
+        self.act_row_bytes.restype = ctypes.c_int64
+        act_kind = dll.slotserve_q8_act_kind
+        act_kind.argtypes = [ctypes.c_int32]
+        act_kind.restype = ctypes.c_int32
+        isa = dll.slotserve_q8_isa
+        isa.restype = ctypes.c_char_p
+        self.isa: str = isa().decode()
+        self.act_kind: dict[int, int] = {qtype: act_kind(qtype) for qtype in KERNEL_TYPES}
         layout = dll.slotserve_qtype_layout
         layout.argtypes = [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                            ctypes.POINTER(ctypes.c_int32)]
@@ -74,6 +111,7 @@ class _Lib:
 
 # None: not tried yet; False: unavailable (already logged); else the loaded library.
 _lib: _Lib | bool | None = None
+_level_libs: dict[str, _Lib | None] = {}
 _lock = threading.Lock()
 _local = threading.local()
 
@@ -88,11 +126,26 @@ def qmatmul_available() -> bool:
     return _lib is not False
 
 
+def level_library(level: CpuLevel) -> _Lib | None:
+    """The kernel built for one CPU level (tests and benchmarks compare levels); None when
+    it does not build (logged)."""
+    with _lock:
+        if level.name not in _level_libs:
+            dll = load_kernel(KERNEL, f"level {level.name}", level)
+            _level_libs[level.name] = _Lib(dll) if dll is not None else None
+        return _level_libs[level.name]
+
+
 def _library() -> _Lib:
     if not isinstance(_lib, _Lib):
         raise NativeKernelError("quantized matmul: called before qmatmul_available() built "
                                 "the kernel")
     return _lib
+
+
+def kernel_isa() -> str:
+    """The integer dot products' instructions in the loaded kernel, e.g. "avx512-vnni"."""
+    return f"{_library().isa} ({cpu_level().name})"
 
 
 def block_layout(qtype: int) -> tuple[int, int]:
@@ -106,6 +159,18 @@ def block_layout(qtype: int) -> tuple[int, int]:
 def _check(ok: bool, what: str) -> None:
     if not ok:
         raise NativeKernelError(f"quantized matmul: {what}")
+
+
+def _act_buffer(kind: int, nbytes: int) -> torch.Tensor:
+    """This thread's buffer for quantized activations of one kind (a layer's q/k/v may need
+    two kinds at once)."""
+    bufs: dict[int, torch.Tensor] | None = getattr(_local, "acts", None)
+    if bufs is None:
+        bufs = _local.acts = {}
+    buf = bufs.get(kind)
+    if buf is None or buf.numel() < nbytes:
+        buf = bufs[kind] = torch.empty(max(nbytes, 64 * 1024), dtype=torch.uint8)
+    return buf
 
 
 def _scratch(threads: int, k: int) -> torch.Tensor:
@@ -123,25 +188,52 @@ def _scratch(threads: int, k: int) -> torch.Tensor:
 class QuantWeight:
     """A matrix [n, k] held as n rows of GGML type `qtype` blocks (`blocks`: uint8 [n, bytes
     per row], contiguous, on the CPU), checked once here; each call checks only its own
-    arguments. Requires qmatmul_available() to have returned True."""
+    arguments. `int8`: multiply with 8-bit activations (`auto`), else float32 (`exact`).
+    `lib`: a level's kernel (level_library), default the one qmatmul_available() loaded."""
 
-    __slots__ = ("blocks", "k", "n", "qtype", "row_bytes")
+    __slots__ = ("blocks", "int8", "k", "lib", "n", "qtype", "row_bytes")
 
-    def __init__(self, blocks: torch.Tensor, qtype: int, k: int) -> None:
-        block, size = block_layout(qtype)
+    def __init__(self, blocks: torch.Tensor, qtype: int, k: int, int8: bool = True,
+                 lib: _Lib | None = None) -> None:
+        self.lib = _library() if lib is None else lib
+        block, size = self.lib.layout.get(qtype, (0, 0))
+        _check(block > 0, f"GGML type {qtype} has no kernel")
         _check(blocks.dtype == torch.uint8 and blocks.device.type == "cpu"
                and blocks.dim() == 2 and blocks.is_contiguous(), "the weight must be a "
                "contiguous uint8 CPU tensor [rows, bytes per row]")
         _check(k > 0 and k % block == 0 and blocks.shape[1] == k // block * size,
                f"{KERNEL_TYPES[qtype]} rows of {k} values take {k // block * size} bytes, "
                f"the weight has {blocks.shape[1]}")
-        self.blocks, self.qtype, self.k = blocks, qtype, k
+        self.blocks, self.qtype, self.k, self.int8 = blocks, qtype, k, int8
         self.n, self.row_bytes = blocks.shape
 
-    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+    @property
+    def act_kind(self) -> int:
+        """The activation quantization the int8 path takes (ACT_KINDS)."""
+        return self.lib.act_kind[self.qtype]
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """x's rows quantized as this weight's int8 path takes them (a view of this thread's
+        buffer, valid until the next call for the same kind): uint8 [m, row bytes]."""
+        lib = self.lib
+        kind, m, k = self.act_kind, x.shape[0], self.k
+        _check(x.dim() == 2 and x.shape[1] == k and x.dtype == torch.float32
+               and x.device.type == "cpu" and x.stride(1) == 1
+               and (m <= 1 or x.stride(0) >= k), f"x must be float32 [rows, {k}] on the CPU "
+               "with contiguous rows")
+        rb = lib.act_row_bytes(kind, k)
+        buf = _act_buffer(kind, m * rb)
+        rc = lib.quantize(kind, x.data_ptr(), x.stride(0), m, k, buf.data_ptr(), buf.numel())
+        if rc != 0:
+            raise NativeKernelError(f"activation quantization: {_ERRORS.get(rc, f'error {rc}')}")
+        return buf[:m * rb].view(m, rb)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor,
+               acts: dict[int, torch.Tensor] | None = None) -> None:
         """out = x @ W^T: x [m, k] float32, out [m, n] float32 (rows of either may be
-        strided, e.g. out a column slice of a larger output; values contiguous)."""
-        lib = _library()
+        strided, e.g. out a column slice of a larger output; values contiguous). `acts`: x
+        already quantized by kind, shared by the weights multiplying the same x (filled in)."""
+        lib = self.lib
         n, k = self.n, self.k
         _check(x.dim() == 2 and out.dim() == 2, "x and out must be matrices")
         m = x.shape[0]
@@ -157,17 +249,33 @@ class QuantWeight:
             return
         threads = torch.get_num_threads()
         if threads > 1:  # small products are not worth the pool's hand-offs
-            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= _PARALLEL_MIN_WORK \
-                else 1
-        scratch = _scratch(threads, k)
-        per = scratch.shape[1]
-        args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, x.data_ptr(), ldx, m,
-                out.data_ptr(), ldo)
+            bar = _PARALLEL_MIN_WORK_INT8 if self.int8 else _PARALLEL_MIN_WORK
+            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= bar else 1
+        run: Callable[[int, int, int], None]
+        if self.int8:
+            act = acts.get(self.act_kind) if acts is not None else None
+            if act is None or act.shape[0] != m:
+                act = self.quantize(x)
+                if acts is not None:
+                    acts[self.act_kind] = act
+            q8_args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, act.data_ptr(),
+                       act.numel(), m, out.data_ptr(), ldo)
 
-        def run(part: int, n0: int, n1: int) -> None:
-            rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
-            if rc != 0:
-                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+            def run(part: int, n0: int, n1: int) -> None:
+                del part
+                rc = lib.q8_matmul(*q8_args, n0, n1)
+                if rc != 0:
+                    raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+        else:
+            scratch = _scratch(threads, k)
+            per = scratch.shape[1]
+            args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, x.data_ptr(), ldx,
+                    m, out.data_ptr(), ldo)
+
+            def run(part: int, n0: int, n1: int) -> None:
+                rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
+                if rc != 0:
+                    raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
 
         if threads <= 1:
             run(0, 0, n)
@@ -180,7 +288,7 @@ class QuantWeight:
     def rows(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         """out[i] = row ids[i] dequantized (an embedding lookup): ids int64 [r] contiguous,
         out [r, k] float32 with contiguous rows. A row id outside W raises, nothing written."""
-        lib = _library()
+        lib = self.lib
         _check(ids.dtype == torch.int64 and ids.device.type == "cpu" and ids.dim() == 1
                and ids.is_contiguous(), "ids must be a contiguous int64 CPU vector")
         _check(out.dtype == torch.float32 and out.device.type == "cpu" and out.dim() == 2

@@ -1,13 +1,14 @@
-"""Weights kept in their GGUF block format (`--quantization auto`) and run by the native kernel.
+"""Weights kept in their GGUF block format (`--quantization auto|exact`), run by the native kernel.
 
-`auto` keeps every linear layer and embedding whose checkpoint tensors all have a native kernel
+`auto` multiplies them with activations quantized to 8 bits, llama.cpp's scheme; `exact` with
+float32 activations (native_qmatmul explains both). Either keeps every linear layer and embedding whose checkpoint tensors all have a native kernel
 (`native_qmatmul.KERNEL_TYPES`) in the file's blocks: the module is swapped, before loading,
 for `QuantizedLinear` / `QuantizedEmbedding`, which hold the blocks (uint8 buffers, one per
 shard: a fused q/k/v may mix types, as Gemma 3's files do) and route the checkpoint tensors
 into them through the same `weight_loader` protocol as every fused layer. Everything else is
 dequantized once at load (`checkpoint.dequant.materialize`), as `none` does for everything.
-Only where the kernel runs float32 activations on the CPU: on CUDA, in bfloat16/float16, or
-without a C compiler, `auto` dequantizes (logged), because torch's kernels for grouped
+Only where the kernel runs float32 models on the CPU: on CUDA, in bfloat16/float16, or
+without a C compiler, `auto` and `exact` dequantize (logged), because torch's kernels for grouped
 low-bit weights take bfloat16 activations and scales there, which changes the numbers beyond
 the format.
 
@@ -32,6 +33,7 @@ from slotserve.models.native_qmatmul import (
     KERNEL_TYPES,
     QuantWeight,
     block_layout,
+    kernel_isa,
     qmatmul_available,
 )
 from slotserve.models.weight_utils import ShardedLinear, checkpoint_names, default_weight_loader
@@ -92,8 +94,9 @@ class _QuantModule(nn.Module):
     """The kernel's view of the block buffers (`QuantWeight`s), made on first use and again
     after anything (`to_empty`, `to`) replaced the buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, int8: bool) -> None:
         super().__init__()
+        self.int8 = int8  # 8-bit activations (`auto`), else float32 (`exact`)
         self._views: list[QuantWeight] | None = None
 
     def _make_views(self) -> list[QuantWeight]:
@@ -116,8 +119,8 @@ class QuantizedLinear(_QuantModule):
     routed to (`load_packed_weights`); `weight_loader` puts them into their buffer's rows."""
 
     def __init__(self, in_features: int, out_features: int, shards: list[QuantShard],
-                 bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
+                 bias: bool, dtype: torch.dtype, int8: bool = True) -> None:
+        super().__init__(int8)
         self.in_features, self.out_features = in_features, out_features
         self.shards = shards
         self.segments = _segments(shards)
@@ -134,7 +137,7 @@ class QuantizedLinear(_QuantModule):
         return out
 
     def _make_views(self) -> list[QuantWeight]:
-        return [QuantWeight(b, seg.qtype, self.in_features)
+        return [QuantWeight(b, seg.qtype, self.in_features, self.int8)
                 for b, seg in zip(self.blocks(), self.segments, strict=True)]
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
@@ -165,8 +168,9 @@ class QuantizedLinear(_QuantModule):
         if len(views) == 1:
             views[0].matmul(x, out)
         else:
+            acts: dict[int, torch.Tensor] = {}  # x quantized once per kind for all segments
             for seg, view in zip(self.segments, views, strict=True):
-                view.matmul(x, out[:, seg.start:seg.start + seg.rows])
+                view.matmul(x, out[:, seg.start:seg.start + seg.rows], acts)
         if self.bias is not None:
             out += self.bias
         return out
@@ -180,7 +184,8 @@ class QuantizedLinear(_QuantModule):
 
     def extra_repr(self) -> str:
         types = ", ".join(KERNEL_TYPES[s.qtype] for s in self.shards)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {types}, "
+                f"{'int8' if self.int8 else 'float32'} activations")
 
 
 class QuantizedEmbedding(_QuantModule):
@@ -190,15 +195,15 @@ class QuantizedEmbedding(_QuantModule):
     qweight: torch.Tensor
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: int,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
+                 dtype: torch.dtype, int8: bool = True) -> None:
+        super().__init__(int8)
         self.num_embeddings, self.embedding_dim, self.qtype = num_embeddings, embedding_dim, qtype
         self.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self.register_buffer("qweight", torch.empty(
             num_embeddings, _row_bytes(qtype, embedding_dim), dtype=torch.uint8))
 
     def _make_views(self) -> list[QuantWeight]:
-        return [QuantWeight(self.qweight, self.qtype, self.embedding_dim)]
+        return [QuantWeight(self.qweight, self.qtype, self.embedding_dim, self.int8)]
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
@@ -227,7 +232,8 @@ class QuantizedEmbedding(_QuantModule):
         return table
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {KERNEL_TYPES[self.qtype]}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {KERNEL_TYPES[self.qtype]}, "
+                f"{'int8' if self.int8 else 'float32'} activations")
 
 
 def _why_not(mode: QuantizationMode, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -257,6 +263,9 @@ def quantize_modules(model: nn.Module, tensor_types: Mapping[str, int],
         logger.info("quantized weights dequantized at load: %s", why)
         return frozenset()
     sources = checkpoint_names(model)  # type: ignore[arg-type]  # any module with the mapping
+    int8 = mode == "auto"
+    logger.info("quantized weights multiplied with %s", f"8-bit activations ({kernel_isa()})"
+                if int8 else "float32 activations")
     kept: set[str] = set()
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear | nn.Embedding):
@@ -270,7 +279,7 @@ def quantize_modules(model: nn.Module, tensor_types: Mapping[str, int],
         new: nn.Module
         if isinstance(module, nn.Embedding):
             new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, qtypes[0],
-                                     dtype)
+                                     dtype, int8)
         else:
             spans = (module.shards if isinstance(module, ShardedLinear)
                      else {None: (0, module.out_features)})
@@ -278,7 +287,7 @@ def quantize_modules(model: nn.Module, tensor_types: Mapping[str, int],
             shards = [QuantShard(s, start, rows, by_shard[s])
                       for s, (start, rows) in spans.items()]
             new = QuantizedLinear(module.in_features, module.out_features, shards,
-                                  module.bias is not None, dtype)
+                                  module.bias is not None, dtype, int8)
         model.set_submodule(name, new)
         kept.update(ckpt for ckpt, _ in parts)
     return frozenset(kept)

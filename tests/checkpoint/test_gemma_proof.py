@@ -5,8 +5,12 @@ the sampled tokens' logprobs within LOGPROB_TOL, whether the prompts run one by 
 in one batch, again with prefix-cache hits, in chunks under a 64-token budget, or under
 forced preemption.
 
-The model is loaded once for the module and shared by the engines (each engine only adds its
-KV cache); the transformers reference is computed once (only this module uses it).
+The model is loaded with `--quantization exact` (the file's blocks with float32 activations:
+the same values transformers dequantizes, only the order of the float32 sums differs); the
+default int8 activations are held to llama.cpp's own agreement with transformers instead, in
+test_gemma_quantized.py. It is loaded once for the module and shared by the engines (each
+engine only adds its KV cache); the transformers reference is computed once (only this module
+uses it).
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ def hf_reference(gemma: Path, prompt_ids: list[list[int]]) -> list[tuple[list[in
 
 @pytest.fixture(scope="module")
 def loaded(gemma: Path) -> tuple[Any, Any, Any]:
-    model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025)
+    model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025,
+                            quantization="exact")
     return model, cfg, load_tokenizer(gemma)
 
 

@@ -1,12 +1,14 @@
-"""The real Gemma 3 270M Q4_K_M file run with its weights kept quantized (`auto`: 73 of its
-matrices in Q4_K / Q5_0 / Q6_K / Q8_0 blocks, the 262k x 640 Q8_0 embedding also serving as
-the output projection) against the same file dequantized to float32 (`none`, the reference),
-teacher-forced on four English texts: at each of the last 48 positions of every text, the
-next-token distributions agree (top-1 agreement at least 95%, mean KL divergence at most
-0.01; llama.cpp on the same file, against transformers: 92-100% and 0.002-0.006).
+"""The real Gemma 3 270M Q4_K_M file run with its weights kept quantized (73 of its matrices
+in Q4_K / Q5_0 / Q6_K / Q8_0 blocks, the 262k x 640 Q8_0 embedding also serving as the output
+projection) against the same file dequantized to float32 (`none`, the reference),
+teacher-forced on four English texts, at each of the last 48 positions of every text:
 
-Both paths hold the same weight values (the kernel dequantizes exactly as gguf does), so only
-the order of float32 sums differs; what is measured here is printed.
+- `exact` (float32 activations) holds the same weight values, so only the order of float32
+  sums differs: every top-1 agrees and the KL divergence is float32 noise;
+- `auto` (8-bit activations, llama.cpp's scheme) must do no worse than llama.cpp's own
+  numbers on this file against transformers (92-100% top-1, mean KL 0.002-0.006).
+
+The bounds are what the code achieves with a small margin; the measured values are printed.
 """
 
 from __future__ import annotations
@@ -62,29 +64,38 @@ def next_token_logits(model: DecoderForCausalLM, ids: list[int]) -> torch.Tensor
         return model.compute_logits(hidden).clone()  # the quantized head reuses its buffer
 
 
+# mode -> (least top-1 agreement, largest mean KL). Measured (AVX-512 VNNI build): exact
+# 192/192 and 5.8e-9; auto 187/192 (0.974) and 4.4e-3, max KL 0.041.
+BOUNDS = {"exact": (1.0, 1e-7), "auto": (0.96, 0.005)}
+
+
 def test_quantized_matches_dequantized_teacher_forced() -> None:
     path = gemma_path()
     tok = load_tokenizer(path)
     texts = [tok.encode(t) for t in TEXTS]
     assert all(len(ids) > POSITIONS for ids in texts)
     results = {}
-    for mode in ("none", "auto"):
+    for mode in ("none", "exact", "auto"):
         model, _ = load_model(path, dtype="float32", device="cpu", max_positions=512,
                               quantization=mode)
-        assert bool(quantized_names(model)) == (mode == "auto")
-        if mode == "auto":  # every matrix, and the tied embedding / output projection
+        assert bool(quantized_names(model)) == (mode != "none")
+        if mode != "none":  # every matrix, and the tied embedding / output projection
             assert len(quantized_names(model)) == 18 * 4 + 1
         model.init_attention()
         results[mode] = [next_token_logits(model, ids)[-POSITIONS:] for ids in texts]
         del model
-    agree, kls = [], []
-    for ref, got in zip(results["none"], results["auto"], strict=True):
-        agree.append((ref.argmax(-1) == got.argmax(-1)).float())
-        p_log, q_log = ref.log_softmax(-1), got.log_softmax(-1)
-        kls.append((p_log.exp() * (p_log - q_log)).sum(-1))
-    top1 = torch.cat(agree).mean().item()
-    kl = torch.cat(kls)
-    print(f"auto vs none over {len(kl)} positions: top-1 agreement {top1:.4f}, mean KL "
-          f"{kl.mean().item():.3g}, max KL {kl.max().item():.3g}")
-    assert top1 >= 0.95
-    assert kl.mean().item() <= 0.01
+    failures = []
+    for mode, (least_top1, most_kl) in BOUNDS.items():
+        agree, kls = [], []
+        for ref, got in zip(results["none"], results[mode], strict=True):
+            agree.append((ref.argmax(-1) == got.argmax(-1)).float())
+            p_log, q_log = ref.log_softmax(-1), got.log_softmax(-1)
+            kls.append((p_log.exp() * (p_log - q_log)).sum(-1))
+        top1 = torch.cat(agree).mean().item()
+        kl = torch.cat(kls)
+        print(f"{mode} vs none over {len(kl)} positions: top-1 agreement {top1:.4f}, mean KL "
+              f"{kl.mean().item():.3g}, max KL {kl.max().item():.3g}")
+        if top1 < least_top1 or kl.mean().item() > most_kl:
+            failures.append(f"{mode}: top-1 {top1:.4f} (>= {least_top1}), mean KL "
+                            f"{kl.mean().item():.3g} (<= {most_kl})")
+    assert not failures, failures

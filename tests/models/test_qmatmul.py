@@ -1,20 +1,17 @@
-"""The native block-quantized matmul (`models/csrc/qmatmul.c`) against its reference,
-dequantize-then-matmul: gguf's own numpy dequantizer, then a float64 matmul.
+"""The native block-quantized matmul's float32-activation path (`--quantization exact`,
+`models/csrc/qmatmul.c`) against its reference, dequantize-then-matmul: gguf's own numpy
+dequantizer, then a float64 matmul. (The int8 path: test_qmatmul_int8.py.)
 
 For every type with a kernel, on random blocks and odd shapes (rows of x and of W that are not
 multiples of the register tile, one-block rows, more rows of x than one L2 block): every
 output is within float32 rounding of the reference (|diff| <= k * eps * sum |x||w|, the
 classic bound for a dot product of k terms), and dequantized rows are bit for bit gguf's.
-Strided x and a column slice of a larger output, the thread split, the portable (non-AVX-512)
-build of the same source, and refused arguments are covered too.
+Strided x and a column slice of a larger output, the thread split, every CPU level's build of
+the same source this machine runs (AVX-512, AVX2, portable), and refused arguments are covered
+too.
 """
 
 from __future__ import annotations
-
-import ctypes
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,8 +43,9 @@ def random_weight(qtype: Q, n: int, k: int, seed: int) -> tuple[np.ndarray, torc
     return np.ascontiguousarray(data), dense
 
 
-def quant(data: np.ndarray, qtype: Q, k: int) -> QuantWeight:
-    return QuantWeight(torch.from_numpy(data.copy()), int(qtype), k)
+def quant(data: np.ndarray, qtype: Q, k: int, lib: object = None) -> QuantWeight:
+    return QuantWeight(torch.from_numpy(data.copy()), int(qtype), k, int8=False,
+                       lib=lib)  # type: ignore[arg-type]  # a level's _Lib or None
 
 
 def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
@@ -159,34 +157,21 @@ def test_the_kernel_checks_its_arguments_itself() -> None:
                     out.ctypes.data, k) == 4
 
 
-def test_portable_build_matches_the_native_one(tmp_path: Path) -> None:
-    """The source's portable loops (CPUs without AVX-512) give the same dequantized values
-    and matmuls within rounding: built here for plain x86-64-v2, run in this process."""
-    if not sys.platform.startswith("linux") or subprocess.run(
-            ["uname", "-m"], capture_output=True, text=True).stdout.strip() != "x86_64":
-        pytest.skip("the portable build is checked on x86-64 Linux")
-    cc = native_build.find_compiler()
-    assert cc is not None
-    flags = tuple("-march=x86-64-v2" if f == "-march=native" else f
-                  for f in native_qmatmul.KERNEL.cflags)
-    portable = native_build.KernelSource("qmatmul_portable", native_qmatmul.KERNEL.source, flags)
-    lib = ctypes.CDLL(str(native_build.compile_library(portable, cc, tmp_path)))
-    fn = lib.slotserve_dequant_rows_f32
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ctypes.c_int32, p, i, i, i, p, i, p, i]
-    mm = lib.slotserve_qmatmul_f32
-    mm.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i, i, i, p, i]
+@pytest.mark.parametrize("level", native_build.supported_levels(), ids=lambda lv: lv.name)
+def test_every_cpu_level_matches_the_reference(level: native_build.CpuLevel) -> None:
+    """Each level's build (AVX-512 fused path, AVX2 tiles, portable loops) gives gguf's
+    dequantized values bit for bit and matmuls within rounding, run in this process."""
+    lib = native_qmatmul.level_library(level)
+    assert lib is not None, f"the kernel did not build for {level.name}"
     for qtype in TYPES:
         k, n, m = 2 * block_of(qtype), 6, 3
         data, dense = random_weight(qtype, n, k, seed=11)
-        ids = np.arange(n, dtype=np.int64)
-        rows = np.zeros((n, k), np.float32)
-        assert fn(int(qtype), data.ctypes.data, n, k, data.shape[1], ids.ctypes.data, n,
-                  rows.ctypes.data, k) == 0
-        assert np.array_equal(rows, dense.numpy()), qtype.name
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(11))
-        y = torch.zeros(m, n)
-        scratch = torch.zeros(64 * 1024)
-        assert mm(int(qtype), data.ctypes.data, n, k, data.shape[1], x.data_ptr(), k, m,
-                  y.data_ptr(), n, 0, n, scratch.data_ptr(), scratch.numel()) == 0
-        assert_within_rounding(y, x, dense)
+        w = quant(data, qtype, k, lib)
+        rows = torch.zeros(n, k)
+        w.rows(torch.arange(n), rows)
+        assert torch.equal(rows, dense), qtype.name
+        for m in (1, 2, 5):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(11))
+            y = torch.zeros(m, n)
+            w.matmul(x, y)
+            assert_within_rounding(y, x, dense)

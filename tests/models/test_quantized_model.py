@@ -1,5 +1,7 @@
-"""`--quantization auto|none` on GGUF files: which layers stay quantized, that they hold exactly
-the values `none` holds, that the model's outputs agree, and what memory is reported.
+"""`--quantization auto|exact|none` on GGUF files: which layers stay quantized, that they hold
+exactly the values `none` holds, that the model's outputs agree (`exact` within float32
+rounding, `auto`'s 8-bit activations within what that quantization costs), and what memory is
+reported.
 
 A tiny Llama with rows of 256 values (so every k-quant fits) is written to GGUF with types
 mixed tensor by tensor as in a Q4_K_M file, plus one tensor in a type without a kernel (Q2_K)
@@ -9,6 +11,7 @@ and one in F16: those two must be dequantized at load while the rest stays in bl
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -92,19 +95,34 @@ def run(path: Path, quantization: str, prompts: list[list[int]]) -> ManualSchedu
     return sched
 
 
-def test_auto_generates_what_none_generates(mixed_file: Path) -> None:
-    """Batched, chunked prefill and decodes: the same greedy tokens, and the top-5 logprobs
-    of every step within float32 rounding of the dequantized model's."""
+@pytest.mark.parametrize("mode,tolerance", [("exact", 1e-4), ("auto", 1.0)])
+def test_quantized_generates_what_none_generates(mixed_file: Path, mode: str,
+                                                 tolerance: float) -> None:
+    """Batched, chunked prefill and decodes against the dequantized model. `exact`: the same
+    greedy tokens and top-5 logprobs within float32 rounding. `auto` (8-bit activations): the
+    same tokens until a step whose top two the reference itself has within `tolerance` (a
+    near tie; this tiny random model has flat distributions), and until then the logprobs of
+    the tokens both top 5s hold within `tolerance` (measured 0.65: the random weights make
+    logits with a std of 17, so the ~1% relative error of 8-bit activations moves them by
+    tenths; the real model's bound is tests/checkpoint/test_gemma_quantized.py's)."""
     prompts = [[5, 9, 20, 7], list(range(10, 41)), [100, 3, 3, 250, 17, 60, 61]]
-    auto, none = run(mixed_file, "auto", prompts), run(mixed_file, "none", prompts)
+    auto, none = run(mixed_file, mode, prompts), run(mixed_file, "none", prompts)
     worst = 0.0
     for rid, ref in none.requests.items():
         got = auto.requests[rid]
-        assert got.outputs == ref.outputs, rid
-        for mine, theirs in zip(got.logprobs, ref.logprobs, strict=True):
-            assert mine.keys() == theirs.keys()
-            worst = max(worst, max(abs(mine[t] - theirs[t]) for t in theirs))
-    assert worst < 1e-4, worst
+        if mode == "exact":
+            assert got.outputs == ref.outputs, rid
+        for step, (mine, theirs) in enumerate(zip(got.logprobs, ref.logprobs, strict=True)):
+            if mode == "exact":
+                assert mine.keys() == theirs.keys()
+            common = mine.keys() & theirs.keys()  # int8 may reorder the bottom of the top 5
+            worst = max(worst, max(abs(mine[t] - theirs[t]) for t in common))
+            if got.outputs[step] != ref.outputs[step]:
+                gap = theirs[ref.outputs[step]] - theirs.get(got.outputs[step], -math.inf)
+                assert gap < tolerance, f"{rid} step {step}: not a near tie ({gap:.3g})"
+                break
+    print(f"{mode}: worst top-5 logprob difference {worst:.3g}")
+    assert worst < tolerance, worst
 
 
 def test_reported_memory(mixed_file: Path) -> None:
@@ -136,7 +154,8 @@ def test_the_setting_is_checked_and_reaches_the_engine() -> None:
     with pytest.raises(ConfigError, match="quantization"):
         load_model("unused", quantization="int4")
     assert EngineArgs.from_kwargs().quantization == "auto"
-    args = build_parser().parse_args(["serve", "--quantization", "none"])
-    assert EngineArgs.from_kwargs(**engine_kwargs_from_args(args)).quantization == "none"
+    for mode in ("none", "exact"):
+        args = build_parser().parse_args(["serve", "--quantization", mode])
+        assert EngineArgs.from_kwargs(**engine_kwargs_from_args(args)).quantization == mode
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int8"])

@@ -336,3 +336,118 @@ void slotserve_qtype_layout(int32_t type, int32_t* block, int32_t* bytes) {
     *block = t ? t->block : 0;
     *bytes = t ? t->bytes : 0;
 }
+
+/* ---- int8 activations (`--quantization auto`): q8act.h, q8dot.h ------------------------ */
+
+#include "q8dot.h"
+
+#ifndef Q8_X_BLOCK_BYTES
+#define Q8_X_BLOCK_BYTES (256 * 1024)  /* quantized rows of x per pass: they stay in L2 */
+#endif
+
+/* The activation quantization each weight type's dot product takes (-1: no int8 kernel). */
+int32_t slotserve_q8_act_kind(int32_t type) {
+    switch (type) {
+        case 2: case 6: case 8: return ACT_Q8_0;
+        case 3: case 7: return ACT_Q8_1;
+        case 12: case 13: case 14: return ACT_Q8_K;
+        default: return -1;
+    }
+}
+
+/* Bytes of one quantized activation row (-1: bad kind or k not whole blocks). */
+int64_t slotserve_q8_act_row_bytes(int32_t kind, int64_t k) {
+    if (kind < ACT_Q8_0 || kind > ACT_Q8_K || k <= 0 || k % act_block(kind)) return -1;
+    return act_row_bytes(kind, k);
+}
+
+/* Rows of x [m, k] (ldx floats apart) quantized into `out`, rows act_row_bytes apart. */
+int slotserve_q8_quantize(int32_t kind, const float* x, int64_t ldx, int64_t m, int64_t k,
+                          uint8_t* out, int64_t out_len) {
+    int64_t rb = slotserve_q8_act_row_bytes(kind, k);
+    if (rb < 0 || m < 0 || (m > 1 && ldx < k)) return QMM_BAD_SHAPE;
+    if (out_len < m * rb) return QMM_SMALL_SCRATCH;
+    for (int64_t i = 0; i < m; i++) quantize_act_row(kind, x + i * ldx, k, out + i * rb);
+    return QMM_OK;
+}
+
+/* The instructions the integer dot products use in this build (logs, tests). */
+const char* slotserve_q8_isa(void) { return Q8_ISA; }
+
+#ifdef Q8_SIMD
+/* Four weight rows at a time against the activation rows of a pass, Q8_MR at a time; the
+   rows' bytes, and those PREFETCH_BYTES further on, requested first (the weight streams from
+   DRAM once per step). */
+#define Q8_TILES(NAME, NR)                                                                    \
+    for (int64_t i = m0; i < m1; i += Q8_MR) {                                                \
+        const uint8_t* a_ = act + i * arb;                                                    \
+        float* y_ = y + i * ldy + r;                                                          \
+        switch (m1 - i < Q8_MR ? (int)(m1 - i) : Q8_MR) {                                     \
+            case 1: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 1, NR); break;       \
+            case 2: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 2, NR); break;       \
+            case 3: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 3, NR); break;       \
+            default: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, Q8_MR, NR); break;  \
+        }                                                                                     \
+    }
+#define Q8_MM(NAME)                                                                           \
+static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
+                      int64_t arb, int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,  \
+                      int64_t n0, int64_t n1) {                                               \
+    int64_t r = n0;                                                                           \
+    for (; r + 4 <= n1; r += 4) {                                                             \
+        const uint8_t* row = w + r * row_bytes;                                               \
+        for (int64_t p = 0; p < 4 * row_bytes; p += 64)                                       \
+            __builtin_prefetch(row + p + PREFETCH_BYTES, 0, 0);                               \
+        Q8_TILES(NAME, 4)                                                                     \
+    }                                                                                         \
+    for (; r < n1; r++) {                                                                     \
+        const uint8_t* row = w + r * row_bytes;                                               \
+        Q8_TILES(NAME, 1)                                                                     \
+    }                                                                                         \
+}
+Q8_MM(q4_0) Q8_MM(q4_1) Q8_MM(q5_0) Q8_MM(q5_1) Q8_MM(q8_0) Q8_MM(q4_k) Q8_MM(q5_k)
+Q8_MM(q6_k)
+typedef void (*q8_mm_fn)(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
+                         int64_t, int64_t, float*, int64_t, int64_t, int64_t);
+static q8_mm_fn q8_kernel(int32_t type) {
+    switch (type) {
+        case 2: return q4_0_mm;
+        case 3: return q4_1_mm;
+        case 6: return q5_0_mm;
+        case 7: return q5_1_mm;
+        case 8: return q8_0_mm;
+        case 12: return q4_k_mm;
+        case 13: return q5_k_mm;
+        case 14: return q6_k_mm;
+        default: return 0;
+    }
+}
+#endif
+
+/* y[:, n0:n1] = x @ W[n0:n1]^T with x given as m rows quantized by slotserve_q8_quantize with
+   the kind slotserve_q8_act_kind(type) names (`act`, act_len bytes); y rows ldy floats apart. */
+int slotserve_qmatmul_q8(int32_t type, const uint8_t* w, int64_t n, int64_t k,
+        int64_t row_bytes, const uint8_t* act, int64_t act_len, int64_t m, float* y,
+        int64_t ldy, int64_t n0, int64_t n1) {
+    const qtype_info* t = find_type(type);
+    int32_t kind = slotserve_q8_act_kind(type);
+    if (!t || kind < 0) return QMM_BAD_TYPE;
+    if (check_layout(t, n, k, row_bytes) || m < 0 || n0 < 0 || n1 > n || n0 > n1
+        || (m > 1 && ldy < n1))
+        return QMM_BAD_SHAPE;
+    int64_t arb = act_row_bytes(kind, k), nb = k / t->block;
+    if (act_len < m * arb) return QMM_SMALL_SCRATCH;
+    int64_t mb = Q8_X_BLOCK_BYTES / arb;
+    mb = mb < 1 ? 1 : mb;
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        int64_t m1 = m - m0 < mb ? m : m0 + mb;
+#ifdef Q8_SIMD
+        q8_kernel(type)(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, n0, n1);
+#else
+        for (int64_t r = n0; r < n1; r++)
+            for (int64_t i = m0; i < m1; i++)
+                y[i * ldy + r] = dot_row_portable(type, w + r * row_bytes, nb, act + i * arb, k);
+#endif
+    }
+    return QMM_OK;
+}
