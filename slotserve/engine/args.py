@@ -15,6 +15,7 @@ from slotserve.config import (
     EngineConfig,
     QuantizationMode,
     SchedulerConfig,
+    check_kv_cache_dtype,
     check_mode,
 )
 from slotserve.errors import ConfigError, ModelLoadError
@@ -62,6 +63,9 @@ class EngineArgs:
     # "auto": a GGUF file's quantized weights stay quantized where a native kernel runs them
     # (models/quantization.py); "none": every weight is dequantized at load.
     quantization: QuantizationMode = "auto"
+    # How the KV cache stores K/V (vLLM's --kv-cache-dtype): auto (the model dtype), float32,
+    # bfloat16, float16, or int8 with a scale per token and head (models/kv_storage.py).
+    kv_cache_dtype: str = "auto"
     # Structured outputs: a request whose grammar is not compiled within this many seconds
     # is refused. Bitmask rows are filled on a helper thread while the forward pass runs
     # (True), or on the step loop before it (False); None: overlapped when the model runs on
@@ -89,6 +93,7 @@ class EngineArgs:
         if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
             given["native_attention"] = False
         check_mode(given.get("quantization", "auto"))
+        check_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
         return cls(**given)
 
     def model_path(self) -> str:
@@ -141,6 +146,7 @@ class EngineArgs:
                                else self.max_idle_sessions),
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
-                                   enable_prefix_caching=self.enable_prefix_caching)
+                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   cache_dtype=self.kv_cache_dtype)
         return EngineConfig(scheduler_config, cache_config, check=self.check,
                             trace_path=self.trace_path)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from slotserve.config import QUANTIZATION_MODES
+from slotserve.config import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from slotserve.entrypoints import bench_serve
 from slotserve.entrypoints.openai.limits import ServerLimits
 
@@ -50,6 +50,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--num-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="how the KV cache stores keys and values: auto (default: the "
+                        "model dtype), float32, bfloat16, float16, or int8 (a scale per "
+                        "token and head; a quarter of float32's bytes)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,
@@ -69,6 +73,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": not args.no_prefix_caching, "policy": args.policy,
         "check": args.check or None, "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
 
 
