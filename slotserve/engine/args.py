@@ -64,7 +64,7 @@ class EngineArgs:
     # (models/quantization.py); "none": every weight is dequantized at load.
     quantization: QuantizationMode = "auto"
     # How the KV cache stores K/V (vLLM's --kv-cache-dtype): auto (the model dtype), float32,
-    # bfloat16, float16, or int8 with a scale per token and head (models/kv_storage.py).
+    # bfloat16, float16, or int8 in q8_0 blocks of a head's values (models/kv_storage.py).
     kv_cache_dtype: str = "auto"
     # Structured outputs: a request whose grammar is not compiled within this many seconds
     # is refused. Bitmask rows are filled on a helper thread while the forward pass runs

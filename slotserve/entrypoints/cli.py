@@ -52,8 +52,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                         help="how the KV cache stores keys and values: auto (default: the "
-                        "model dtype), float32, bfloat16, float16, or int8 (a scale per "
-                        "token and head; a quarter of float32's bytes)")
+                        "model dtype), float32, bfloat16, float16, or int8 (llama.cpp's "
+                        "q8_0: a scale per 32 values; 0.27x float32's bytes)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--policy", choices=("fcfs", "priority"), default=None)
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default=None,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from slotserve.models import native_build
-from slotserve.models.kv_storage import KV_CODES
+from slotserve.models.kv_storage import KV_CODES, row_elems
 from slotserve.models.native_build import (
     CSRC,
     KernelSource,
@@ -105,8 +105,9 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of nd single-token queries over their paged contexts, written into `out`.
 
     query [nd, H, D] float32 (rows may be strided, heads contiguous); caches [num_blocks,
-    block_size, KVH, row] contiguous, rows as models/kv_storage.py stores them (float32,
-    bfloat16, float16: row = D; int8: row = D + 4); block_table [nd, max_blocks] and ctx_lens [nd] int64 contiguous;
+    block_size, KVH, row] contiguous, rows as models/kv_storage.py stores them (row_elems:
+    D values, int8 ones followed by their block scales); block_table [nd, max_blocks] and
+    ctx_lens [nd] int64 contiguous;
     out [nd, H * D] (rows may be strided); scratch [threads, n] float32 contiguous, where n is
     at least H * the most tokens one sequence attends to. `window` None or 0: the whole
     context. Requires native_decode_supported(...) to have returned True.
@@ -126,14 +127,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
            and k_cache.device.type == v_cache.device.type == "cpu",
            "the caches must be CPU tensors of one storage type: float32, bfloat16, float16, "
            "int8")
-    int8 = k_cache.dtype == torch.int8
-    cache_head_dim = row - 4 if int8 else row
     _check(block_table.dtype == ctx_lens.dtype == torch.int64
            and block_table.device.type == ctx_lens.device.type == "cpu",
            "block_table and ctx_lens must be int64 CPU tensors")
     _check(v_cache.shape == k_cache.shape and k_cache.is_contiguous()
            and v_cache.is_contiguous(), "K and V caches must be contiguous and alike")
-    _check(head_dim == cache_head_dim and head_dim % 16 == 0 and num_heads % num_kv_heads == 0,
+    _check(row == row_elems(head_dim, k_cache.dtype) and head_dim % 16 == 0 and num_heads % num_kv_heads == 0,
            f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)} "
            "(head_dim a multiple of 16, heads a multiple of KV heads)")
     _check(query.stride(2) == 1 and query.stride(1) == head_dim, "query heads not contiguous")

@@ -169,7 +169,7 @@ def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     place with cos / sin [rows, D]; k and v rows written to the caches at slot_mapping.
 
     Caches [num_blocks, block_size, KVH, row] contiguous: float32 / bfloat16 / float16 rows
-    of D, or int8 rows of D + 4 (the values, then their float32 scale)."""
+    of D, or int8 rows of D values and their block scales (models/kv_storage.py)."""
     rows = qkv.shape[0]
     _rows(qkv, (num_heads + 2 * num_kv_heads) * head_dim, "qkv")
     for t in (cos, sin):

@@ -7,8 +7,8 @@
  *    to a residual (Gemma 3: h += norm(x); optionally out = norm2(h));
  *  - the gated activation of the MLP (SiLU or tanh-GELU gate times up);
  *  - the attention glue: per-head q/k RMSNorm, RoPE in place, and the new K/V rows written
- *    into the paged cache in its storage type (float32, bfloat16, float16, or int8 rows with
- *    one float32 scale per token and KV head, stored after the head's D bytes).
+ *    into the paged cache in its storage type (float32, bfloat16, float16, or int8 rows:
+ *    q8_0 blocks of 32 values along the head, their float16 scales after the D bytes).
  *
  * The arithmetic is the torch formula's, operation for operation (built with
  * -ffp-contract=off: no fused multiply-adds the torch kernels would not do), except that the
@@ -126,15 +126,21 @@ static void store_row(const float* x, void* dst, int64_t d, int kv_dtype) {
         _Float16* o = dst;
 #pragma omp simd
         for (int64_t i = 0; i < d; i++) o[i] = (_Float16)x[i];
-    } else {  /* int8: round(x / scale), scale = absmax / 127, stored after the d bytes */
+    } else {  /* int8, llama.cpp's q8_0 along the row: blocks of 32 values (or the whole row
+                 when d is no multiple of 32), each round(x / scale) with scale = absmax / 127;
+                 the float16 scales follow the d values */
         int8_t* o = dst;
-        float amax = 0.0f;
+        int64_t qk = d % 32 == 0 ? 32 : d;
+        for (int64_t b0 = 0; b0 < d; b0 += qk) {
+            float amax = 0.0f;
 #pragma omp simd reduction(max:amax)
-        for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-        float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+            for (int64_t i = b0; i < b0 + qk; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+            float scale = amax / 127.0f, inv = scale > 0.0f ? 1.0f / scale : 0.0f;
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) o[i] = (int8_t)nearbyintf(x[i] * inv);
-        memcpy(o + d, &scale, sizeof(float));
+            for (int64_t i = b0; i < b0 + qk; i++) o[i] = (int8_t)nearbyintf(x[i] * inv);
+            _Float16 s16 = (_Float16)scale;
+            memcpy(o + d + 2 * (b0 / qk), &s16, sizeof s16);
+        }
     }
 }
 

@@ -12,10 +12,9 @@
  * (transformers' rule: key position > query position - W); window <= 0 means the whole
  * context. Blocks wholly before the window are never read.
  *
- * The cache rows may be stored as float32, bfloat16, float16 or int8 (a row of head_dim
- * values, then its float32 scale; models/kv_storage.py): each is widened to float32 as it is
- * read, 16 values at a time, and an int8 row's scale multiplies its dot product (K) or its
- * probability (V). One body serves every storage type: the type is a constant argument of an
+ * The cache rows may be stored as float32, bfloat16, float16 or int8 (q8_0 blocks along the
+ * row, the head_dim values then their float16 scales; models/kv_storage.py): each is widened
+ * to float32 as it is read, 16 values at a time, int8 values times their block's scale. One body serves every storage type: the type is a constant argument of an
  * always-inlined function, so each gets its own loops.
  *
  * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
@@ -56,11 +55,16 @@ static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t
     return __builtin_convertvector(((const v16i8*)row)[c], v16);
 }
 
-static inline __attribute__((always_inline)) float row_scale(const char* row, int64_t head_dim,
-                                                             const int kvt) {
-    float s = 1.0f;
-    if (kvt == KV_INT8) memcpy(&s, row + head_dim, sizeof(float));
-    return s;
+/* The scale of values c*16 .. c*16+15 of an int8 row (1 for the other types): the float16
+   scales of its q8_0 blocks (32 values, or the whole row when head_dim is no multiple of 32)
+   follow the head_dim values. */
+static inline __attribute__((always_inline)) float chunk_scale(const char* row, int64_t c,
+                                                               int64_t head_dim, const int kvt) {
+    if (kvt != KV_INT8) return 1.0f;
+    int64_t qk = head_dim % 32 == 0 ? 32 : head_dim;
+    _Float16 s;
+    memcpy(&s, row + head_dim + 2 * (c * 16 / qk), sizeof s);
+    return (float)s;
 }
 
 /* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
@@ -98,11 +102,10 @@ static inline __attribute__((always_inline)) int decode(
                 for (int64_t hq = 0; hq < nh; hq++) {
                     const char* kr = blk + i * tok_stride + hq / groups * row_bytes;
                     const v16* qv = (const v16*)(qb + hq * head_dim);
-                    v16 acc = qv[0] * load16(kr, 0, kvt);
-                    for (int64_t c = 1; c < nc; c++) acc += qv[c] * load16(kr, c, kvt);
-                    float dot = hsum(acc);
-                    if (kvt == KV_INT8) dot *= row_scale(kr, head_dim, kvt);
-                    p[hq * span + t0 + i - lo] = scale * dot;
+                    v16 acc = qv[0] * load16(kr, 0, kvt) * chunk_scale(kr, 0, head_dim, kvt);
+                    for (int64_t c = 1; c < nc; c++)
+                        acc += qv[c] * load16(kr, c, kvt) * chunk_scale(kr, c, head_dim, kvt);
+                    p[hq * span + t0 + i - lo] = scale * hsum(acc);
                 }
             }
         }
@@ -126,9 +129,10 @@ static inline __attribute__((always_inline)) int decode(
                 for (int64_t hq = 0; hq < nh; hq++) {
                     const char* vr = blk + i * tok_stride + hq / groups * row_bytes;
                     float pw = p[hq * span + t0 + i - lo];
-                    if (kvt == KV_INT8) pw *= row_scale(vr, head_dim, kvt);
-                    v16 w = (v16){0} + pw;
-                    for (int64_t c = 0; c < nc; c++) acc[hq * nc + c] += w * load16(vr, c, kvt);
+                    for (int64_t c = 0; c < nc; c++) {
+                        v16 w = (v16){0} + pw * chunk_scale(vr, c, head_dim, kvt);
+                        acc[hq * nc + c] += w * load16(vr, c, kvt);
+                    }
                 }
             }
         }
