@@ -50,7 +50,7 @@ def materialize_empty(model: DecoderForCausalLM, device: torch.device) -> Decode
     """`nn.Module.to_empty`, without its `empty_like` of meta tensors: that runs torch's Python
     reference ops, whose first use imports sympy and torch.fx (34 MB resident for the life of
     the process, for nothing the engine uses)."""
-    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))  # type: ignore[no-untyped-call]  # torch leaves it untyped
     return model
 
 
