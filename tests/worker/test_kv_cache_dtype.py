@@ -34,16 +34,18 @@ DTYPES = ["float32", "bfloat16", "float16", "int8"]
 NEW_TOKENS = 16
 
 
-def follows_reference(ref: Any, got: Any, margin: float) -> int | None:
+def follows_reference(ref: Any, got: Any, margin: float) -> tuple[int, float] | None:
     """Asserts `got`'s tokens equal `ref`'s up to the first divergence, and that there the
     reference had a near tie: the token `got` chose was within `margin` nats of the one the
-    reference chose (both in the reference's top logprobs). Returns that step, or None."""
+    reference chose (both in the reference's top logprobs). Returns (that step, the gap), or
+    None when the tokens are all equal."""
     for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
         if a != b:
             top = ref.logprobs[i]
             assert b in top, f"step {i}: {b} is not among the reference's top tokens {top}"
-            assert top[a] - top[b] < margin, f"step {i}: no near tie ({top[a] - top[b]:.3f})"
-            return i
+            gap = top[a] - top[b]
+            assert gap < margin, f"step {i}: no near tie ({gap:.3f} nats)"
+            return i, gap
     return None
 
 
