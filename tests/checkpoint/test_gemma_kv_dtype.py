@@ -4,7 +4,8 @@ float32 cache's token for token, except where the float32 run itself had a near 
 every layer reads its 16- or 8-bit rows through the native decode kernel.
 
 Measured here: bfloat16 and float16 7/7 identical; int8 (q8_0) 4/7 identical, the other three
-first differing at steps 11-15, each where float32's top two tokens were within MARGIN.
+first differing at steps 11, 14 and 15, where float32's top two tokens were 0.014-0.034 nats
+apart.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ NEW_TOKENS = 32
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
 # A "near tie": the token the quantized cache chose was within this many nats of the float32
 # run's choice, at the first step where they differ.
-MARGIN = {"bfloat16": 0.1, "float16": 0.1, "int8": 0.25}
+MARGIN = {"bfloat16": 0.1, "float16": 0.1, "int8": 0.1}
 
 
 @pytest.fixture(scope="module")
