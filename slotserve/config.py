@@ -81,13 +81,26 @@ class SchedulerConfig:
                 "without chunked prefill")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                          f"got {name!r}")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # --kv-cache-dtype: how K/V rows are stored (models/kv_storage.py); auto: the model dtype.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
         if self.num_blocks < 2:

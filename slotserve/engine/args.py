@@ -15,6 +15,7 @@ from slotserve.config import (
     EngineConfig,
     QuantizationMode,
     SchedulerConfig,
+    check_kv_cache_dtype,
     check_mode,
 )
 from slotserve.errors import ConfigError, ModelLoadError
@@ -78,6 +79,9 @@ class EngineArgs:
         "auto", "auto: keep a GGUF file's quantized weights where a kernel runs them, with "
         "8-bit activations as llama.cpp; exact: the same with float32 activations; none: "
         "dequantize every weight at load")
+    # models/kv_storage.py: int8 is q8_0 blocks of one head's values (llama.cpp's q8_0 cache).
+    kv_cache_dtype: str = _arg("auto", "how the KV cache stores K/V: auto (the model dtype), "
+                               "float32, bfloat16, float16, int8")
     grammar_compile_timeout_s: float = _arg(10.0, "refuse a request whose grammar is not "
                                             "compiled within this many seconds")
     # None: overlapped when the model runs on an accelerator, whose forward pass leaves the
@@ -106,6 +110,7 @@ class EngineArgs:
         if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
             given["native_attention"] = False
         check_mode(given.get("quantization", "auto"))
+        check_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
         return cls(**given)
 
     def model_path(self) -> str:
@@ -158,6 +163,7 @@ class EngineArgs:
                                else self.max_idle_sessions),
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
-                                   enable_prefix_caching=self.enable_prefix_caching)
+                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   cache_dtype=self.kv_cache_dtype)
         return EngineConfig(scheduler_config, cache_config, check=self.check,
                             trace_path=self.trace_path)

@@ -87,6 +87,7 @@ class EngineCore:
         weights are in memory), then build every part from the one EngineConfig."""
         import torch
 
+        from slotserve.models.kv_storage import resolve_kv_cache_dtype
         from slotserve.models.loader import load_model, parse_dtype
         from slotserve.worker.kv_cache import determine_num_blocks
         from slotserve.worker.model_runner import ModelRunner, default_device
@@ -100,7 +101,8 @@ class EngineCore:
         device = default_device() if args.device == "auto" else torch.device(args.device)
         model, model_config = load_model(path, dtype, device, max_positions=bound + 1,
                                          quantization=args.quantization)
-        num_blocks = determine_num_blocks(model_config, args.block_size, dtype, device,
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        num_blocks = determine_num_blocks(model_config, args.block_size, kv_dtype, device,
                                           args.num_blocks, args.kv_cache_memory,
                                           args.max_num_seqs, bound)
         config = args.create_engine_config(model_config.max_position_embeddings, num_blocks)

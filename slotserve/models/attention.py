@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from slotserve.models.kv_storage import dequantize_rows
 from slotserve.models.native_attention import native_decode_supported, paged_decode
 
 
@@ -224,27 +225,29 @@ class AttentionBackend:
 
 
 def _gather(blocks: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
-    if buf is None or buf.shape[0] < ids.numel() or buf.shape[1] != blocks.shape[1]:
+    if (buf is None or buf.shape[0] < ids.numel() or buf.shape[1] != blocks.shape[1]
+            or buf.dtype != blocks.dtype):
         return blocks.index_select(0, ids)
     return torch.index_select(blocks, 0, ids, out=buf[:ids.numel()])
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
-             value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+def _gather_kv(blocks: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor | None,
+               shape: tuple[int, int, int, int], head_dim: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """The cache rows of blocks `ids` as values [*shape[:-1], head_dim] in `dtype`."""
+    rows = _gather(blocks, ids, buf).view(shape)
+    return rows if rows.dtype == dtype else dequantize_rows(rows, head_dim, dtype)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """Write this step's key/value [T, KVH, D] into the cache, then attend: query [T, H, D]
-    -> [T, H * D]. The result may be a view of `meta.out`, valid until the next layer runs."""
+    """Attend with query [T, H, D] -> [T, H * D], this step's key/value [T, KVH, D] already
+    in the cache (the layer's `qkv_rope_store` wrote them). The result may be a view of
+    `meta.out`, valid until the next layer runs."""
     k_cache, v_cache = kv_cache
-    write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size, num_kv_heads, row = k_cache.shape
     groups = num_heads // num_kv_heads
     k_blocks = k_cache.view(num_blocks, -1)
     v_blocks = v_cache.view(num_blocks, -1)
@@ -259,12 +262,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     elif nd:
         if meta.decode_block_ids is None or meta.decode_mask is None:
             raise ValueError("decode metadata without its block ids or mask")
-        ctx = meta.decode_max_blocks * block_size
+        shape = (nd, meta.decode_max_blocks * block_size, num_kv_heads, row)
         # [nd, ctx, KVH, D] viewed as [nd, KVH, ctx, D]; SDPA accepts the strided view.
-        k = _gather(k_blocks, meta.decode_block_ids, meta.k_buf).view(nd, ctx, num_kv_heads,
-                                                                       head_dim)
-        v = _gather(v_blocks, meta.decode_block_ids, meta.v_buf).view(nd, ctx, num_kv_heads,
-                                                                       head_dim)
+        k = _gather_kv(k_blocks, meta.decode_block_ids, meta.k_buf, shape, head_dim,
+                       query.dtype)
+        v = _gather_kv(v_blocks, meta.decode_block_ids, meta.v_buf, shape, head_dim,
+                       query.dtype)
         q = query[:nd].view(nd, num_kv_heads, groups, head_dim)
         o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=meta.decode_mask, scale=scale)
@@ -279,10 +282,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             v = value[span.start:span.end]
         else:
             nb = span.block_ids.numel()
-            k = _gather(k_blocks, span.block_ids, meta.k_buf).view(
-                nb * block_size, num_kv_heads, head_dim)[:span.context_len]
-            v = _gather(v_blocks, span.block_ids, meta.v_buf).view(
-                nb * block_size, num_kv_heads, head_dim)[:span.context_len]
+            shape = (1, nb * block_size, num_kv_heads, row)
+            k = _gather_kv(k_blocks, span.block_ids, meta.k_buf, shape, head_dim,
+                           query.dtype)[0, :span.context_len]
+            v = _gather_kv(v_blocks, span.block_ids, meta.v_buf, shape, head_dim,
+                           query.dtype)[0, :span.context_len]
         o = F.scaled_dot_product_attention(
             q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             attn_mask=span.mask, is_causal=span.mask is None and q.shape[2] > 1, scale=scale,

@@ -27,7 +27,8 @@ from torch import nn
 from slotserve.checkpoint.dequant import CheckpointTensor
 from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap
-from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache, RMSNorm
+from slotserve.models.fused import TORCH_OPS, RMSNorm, TorchOps
+from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -51,14 +52,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(dim, eps)
         self.mlp = MLP(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(dim, eps)
+        self.ops: TorchOps = TORCH_OPS  # DecoderForCausalLM.init_attention chooses
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadataMap) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn_metadata)
-        h = h + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(h))
-        out: torch.Tensor = h + self.post_feedforward_layernorm(m)
-        return out
+        """h is updated in place (the residual stream is the step's own tensor)."""
+        ops = self.ops
+        a = self.self_attn(ops.norm(self.input_layernorm, h), cos, sin, kv_cache, attn_metadata)
+        x = ops.norm_add(h, a, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        assert x is not None
+        ops.norm_add(h, self.mlp(x), self.post_feedforward_layernorm, None)
+        return h
 
 
 @functools.cache

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from slotserve.models.attention import (
     BatchLayout,
     paged_attention,
 )
+from slotserve.models.fused import ACTIVATIONS, TORCH_OPS, RMSNorm, TorchOps, choose_ops
 from slotserve.models.quantization import QuantizedEmbedding, QuantizedLinear
 from slotserve.models.weight_utils import (
     NamedTensors,
@@ -42,36 +42,9 @@ KVCaches = list[KVCache]
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# ModelConfig.hidden_act -> the MLP's gate activation.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": _gelu_tanh,
-}
-
-
 def _store_transposed(weight: torch.Tensor) -> None:
     if weight.dim() == 2 and not weight.t().is_contiguous():  # idempotent
         weight.data = weight.data.t().contiguous().t()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:
-            # The fused kernel is bit-identical to the formula below in float32, and one op.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -100,23 +73,20 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.
 def rope_tables(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
                 positions: int, dtype: torch.dtype, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim] in the layout `apply_rope` takes."""
+    """cos and sin [positions, head_dim / 2]: `rope_rows` widens a step's rows to the layout
+    `apply_rope` takes (half the memory: 16 MiB for Gemma 3's two kinds at 8192 positions)."""
     inv_freq = rope_inv_freq(rope, head_dim, max_position_embeddings)
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     # Computed in float32 and then cast, as transformers does, so bf16 matches too.
-    cos, sin = freqs.cos(), freqs.sin()
-    return (torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
-            torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype))
+    return (freqs.cos().to(device=device, dtype=dtype),
+            freqs.sin().to(device=device, dtype=dtype))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos [T, 1, D] = (c, c); sin [T, 1, D] = (-s, s).
-
-    The rotate-half convention of HF checkpoints, x * cos + rotate_half(x) * sin, with the sign
-    of rotate_half folded into the sin table: rolling x by D/2 swaps its halves, so this is
-    four ops and bit-identical to the unfused formula.
-    """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's rows of the tables, [T, 1, D] as (c, c) and (-s, s) (models/fused.py)."""
+    c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+    return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -136,26 +106,17 @@ class Attention(nn.Module):
                                       bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
+        self.ops: TorchOps = TORCH_OPS  # DecoderForCausalLM.init_attention chooses
         if cfg.qk_norm:
             self.q_norm = norm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = norm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadataMap) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        value = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = apply_rope(self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, -1)),
-                           cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]
-                                       .view(t, self.num_kv_heads, -1)), cos, sin)
-        else:
-            # q and k rotated together: one set of elementwise kernels instead of two.
-            qk = apply_rope(qkv[:, :self.q_size + self.kv_size]
-                            .view(t, self.num_heads + self.num_kv_heads, -1), cos, sin)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        out = paged_attention(q, k, value, kv_cache, attn_metadata[self.window], self.scale)
+        meta = attn_metadata[self.window]
+        q, k, v = self.ops.qkv_rope_store(self, self.qkv_proj(x), cos, sin, kv_cache,
+                                          meta.slot_mapping)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         result: torch.Tensor = self.o_proj(out)
         return result
 
@@ -166,16 +127,17 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {cfg.hidden_act!r}")
+        self.act = cfg.hidden_act
+        self.ops: TorchOps = TORCH_OPS  # DecoderForCausalLM.init_attention chooses
         self.gate_up_proj = ShardedLinear(cfg.hidden_size, {0: cfg.intermediate_size,
                                                             1: cfg.intermediate_size},
                                           bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
-        result: torch.Tensor = self.down_proj(self.act(gate) * up)
+        result: torch.Tensor = self.down_proj(self.ops.gated_act(self.gate_up_proj(x), self.act))
         return result
 
 
@@ -226,6 +188,7 @@ class DecoderForCausalLM(nn.Module):
         self.rope_cos = self.rope_sin = torch.empty(0)
         self.rope_local_cos = self.rope_local_sin = torch.empty(0)
         self.attn_backend: AttentionBackend | None = None
+        self.ops: TorchOps = TORCH_OPS
 
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -269,11 +232,17 @@ class DecoderForCausalLM(nn.Module):
         """Choose the attention kernels for the model's dtype and device; `native=False` keeps
         the torch path even where the native decode kernel would build."""
         cfg = self.config
+        device = self.model.embed_tokens.weight.device
         self.attn_backend = AttentionBackend(
             num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             windows={cfg.layer_window(i) for i in range(cfg.num_hidden_layers)},
-            dtype=self.dtype, device=self.model.embed_tokens.weight.device, native=native)
+            dtype=self.dtype, device=device, native=native)
+        # The layers' elementwise glue: fused C kernels where they build, else torch.
+        ops = choose_ops(self.dtype, device, native)
+        for module in self.modules():
+            if isinstance(getattr(module, "ops", None), TorchOps):
+                setattr(module, "ops", ops)  # noqa: B010 - modules of several classes
 
     def build_attention_metadata(self, layout: BatchLayout) -> AttentionMetadataMap:
         if self.attn_backend is None:
@@ -309,12 +278,11 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attn_metadata: AttentionMetadataMap) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) of the flattened batch."""
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions)
         local_cos, local_sin = cos, sin
         if self.rope_local_cos.numel():
-            local_cos = self.rope_local_cos.index_select(0, positions).unsqueeze(1)
-            local_sin = self.rope_local_sin.index_select(0, positions).unsqueeze(1)
+            local_cos, local_sin = rope_rows(self.rope_local_cos, self.rope_local_sin,
+                                             positions)
         h = self.embed(input_ids)
         for layer, kv_cache, local in zip(self.model.layers, kv_caches, self._local_rope,
                                           strict=True):

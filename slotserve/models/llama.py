@@ -12,7 +12,8 @@ from torch import nn
 
 from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap
-from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache, RMSNorm
+from slotserve.models.fused import TORCH_OPS, RMSNorm, TorchOps
+from slotserve.models.layers import MLP, Attention, DecoderForCausalLM, KVCache
 
 
 class DecoderLayer(nn.Module):
@@ -22,12 +23,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.ops: TorchOps = TORCH_OPS  # DecoderForCausalLM.init_attention chooses
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadataMap) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, attn_metadata)
-        out: torch.Tensor = h + self.mlp(self.post_attention_layernorm(h))
-        return out
+        """h is updated in place (the residual stream is the step's own tensor)."""
+        ops = self.ops
+        a = self.self_attn(ops.norm(self.input_layernorm, h), cos, sin, kv_cache, attn_metadata)
+        return h.add_(self.mlp(ops.add_norm(h, a, self.post_attention_layernorm)))
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -46,6 +46,14 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     return names[dtype]
 
 
+def materialize_empty(model: DecoderForCausalLM, device: torch.device) -> DecoderForCausalLM:
+    """`nn.Module.to_empty`, without its `empty_like` of meta tensors: that runs torch's Python
+    reference ops, whose first use imports sympy and torch.fx (34 MB resident for the life of
+    the process, for nothing the engine uses)."""
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    return model
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None, max_positions: int | None = None,
                quantization: QuantizationMode | str = "auto",
@@ -64,7 +72,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     model.to_dtype(torch_dtype)
     names = [ckpt_name for parts in checkpoint_names(model).values() for ckpt_name, _ in parts]
     kept = quantize_modules(model, ckpt.reader.tensor_types(names), mode, torch_dtype, dev)
-    model = model.to_empty(device=dev)
+    model = materialize_empty(model, dev)
     weights = ((name, t if name in kept else materialize(t, torch_dtype))
                for name, t in ckpt.reader.weights(names))
     model.load_weights(weights, source=ckpt.reader.source)

@@ -1,6 +1,7 @@
 """Native CPU decode attention: a small C kernel that reads K/V straight from the paged blocks.
 
-For decodes (one query token per sequence) on the CPU in float32 the torch path's gather copy,
+For decodes (one query token per sequence) on the CPU with float32 queries (the cache in any
+`--kv-cache-dtype`) the torch path's gather copy,
 padded mask and SDPA blocking for 3-row queries cost more than the attention itself, so this
 kernel (`csrc/paged_decode.c`, shipped with the package) walks each sequence's blocks once
 instead, and skips the blocks before a sliding window. It is compiled with the system C
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from slotserve.models import native_build
+from slotserve.models.kv_storage import KV_CODES, row_elems
 from slotserve.models.native_build import (
     CSRC,
     KernelSource,
@@ -49,7 +51,8 @@ KERNEL = KernelSource(
 # The kernel's return codes (the enum at the top of paged_decode.c).
 _ERRORS = {1: "a context length is < 1 or longer than its block-table row",
            2: "a block id is outside the KV cache",
-           3: "the scratch buffer is too small for the attended tokens"}
+           3: "the scratch buffer is too small for the attended tokens",
+           4: "the KV cache's storage type is unknown to the kernel"}
 
 KernelFn = Callable[..., int]
 # None: not tried yet; False: unavailable (already logged); else the ctypes function.
@@ -67,9 +70,10 @@ def compile_library(cc: str, cache: Path) -> Path:
 
 def _load(lib: Path | ctypes.CDLL) -> KernelFn:
     dll = lib if isinstance(lib, ctypes.CDLL) else ctypes.CDLL(str(lib))
-    fn = dll.slotserve_paged_decode_f32
+    fn = dll.slotserve_paged_decode
     p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, i, i, ctypes.c_float]
+    fn.argtypes = [p, i, p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, i, i, ctypes.c_float, i,
+                   ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -83,7 +87,7 @@ def _build_native() -> KernelFn | None:
 def native_decode_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
     """Whether decodes of this model can use the native kernel (building it on first call)."""
     global _native_fn
-    if dtype != torch.float32 or device.type != "cpu" or head_dim % 16:
+    if dtype != torch.float32 or device.type != "cpu" or head_dim % 16:  # the query's dtype
         return False
     if _native_fn is None:
         _native_fn = _build_native() or False  # a failure is cached, so it is logged once
@@ -100,8 +104,10 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  scale: float, out: torch.Tensor, scratch: torch.Tensor) -> None:
     """Attention of nd single-token queries over their paged contexts, written into `out`.
 
-    query [nd, H, D] (rows may be strided, heads contiguous); caches [num_blocks, block_size,
-    KVH, D] contiguous; block_table [nd, max_blocks] and ctx_lens [nd] int64 contiguous;
+    query [nd, H, D] float32 (rows may be strided, heads contiguous); caches [num_blocks,
+    block_size, KVH, row] contiguous, rows as models/kv_storage.py stores them (row_elems:
+    D values, int8 ones followed by their block scales); block_table [nd, max_blocks] and
+    ctx_lens [nd] int64 contiguous;
     out [nd, H * D] (rows may be strided); scratch [threads, n] float32 contiguous, where n is
     at least H * the most tokens one sequence attends to. `window` None or 0: the whole
     context. Requires native_decode_supported(...) to have returned True.
@@ -113,16 +119,20 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _check(query.dim() == 3 and k_cache.dim() == 4 and block_table.dim() == 2
            and ctx_lens.dim() == 1 and out.dim() == 2 and scratch.dim() == 2, "bad ranks")
     nd, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, row = k_cache.shape
     _check(all(t.dtype == torch.float32 and t.device.type == "cpu"
-               for t in (query, k_cache, v_cache, out, scratch)),
-           "query, caches, out and scratch must be float32 CPU tensors")
+               for t in (query, out, scratch)),
+           "query, out and scratch must be float32 CPU tensors")
+    _check(k_cache.dtype in KV_CODES and v_cache.dtype == k_cache.dtype
+           and k_cache.device.type == v_cache.device.type == "cpu",
+           "the caches must be CPU tensors of one storage type: float32, bfloat16, float16, "
+           "int8")
     _check(block_table.dtype == ctx_lens.dtype == torch.int64
            and block_table.device.type == ctx_lens.device.type == "cpu",
            "block_table and ctx_lens must be int64 CPU tensors")
     _check(v_cache.shape == k_cache.shape and k_cache.is_contiguous()
            and v_cache.is_contiguous(), "K and V caches must be contiguous and alike")
-    _check(head_dim == cache_head_dim and head_dim % 16 == 0 and num_heads % num_kv_heads == 0,
+    _check(row == row_elems(head_dim, k_cache.dtype) and head_dim % 16 == 0 and num_heads % num_kv_heads == 0,
            f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)} "
            "(head_dim a multiple of 16, heads a multiple of KV heads)")
     _check(query.stride(2) == 1 and query.stride(1) == head_dim, "query heads not contiguous")
@@ -140,7 +150,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 num_blocks, block_table.data_ptr(), max_blocks, ctx_lens.data_ptr(),
                 window or 0, out.data_ptr(), out.stride(0),
                 scratch.data_ptr() + part * per_thread * 4, per_thread, b0, b1, num_kv_heads,
-                num_heads // num_kv_heads, head_dim, block_size, scale)
+                num_heads // num_kv_heads, head_dim, block_size, scale,
+                row * k_cache.element_size(), KV_CODES[k_cache.dtype])
         if rc != 0:
             raise NativeKernelError(f"native paged decode: {_ERRORS.get(rc, f'error {rc}')}")
 

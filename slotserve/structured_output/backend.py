@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import numpy.typing as npt
 
@@ -91,6 +90,10 @@ class GuidanceBackend:
         engines that never see a grammar never pay for it."""
         with self._lock:
             if self._tokenizer is None:
+                # Imported here: it imports transformers (20 MB resident), which an engine
+                # core that never sees a grammar does not need.
+                import llguidance.hf
+
                 hf, eos_ids = self._load_tokenizer()
                 try:
                     self._tokenizer = llguidance.hf.from_tokenizer(

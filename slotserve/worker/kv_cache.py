@@ -1,4 +1,5 @@
-"""The paged KV cache: per layer a K and a V tensor [num_blocks, block_size, kv_heads, head_dim].
+"""The paged KV cache: per layer a K and a V tensor [num_blocks, block_size, kv_heads, row],
+a row being one token's head in the `--kv-cache-dtype` storage (models/kv_storage.py).
 
 Block 0 is the null block: the scheduler never hands it to a request, and the decode batch
 points its padding at it. The cache is zero-filled, because masked attention positions still
@@ -16,6 +17,7 @@ import torch
 
 from slotserve.errors import ConfigError
 from slotserve.model_config import ModelConfig
+from slotserve.models.kv_storage import row_bytes, row_elems
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +28,11 @@ CPU_DEFAULT_CAP = 4 << 30
 CUDA_DEFAULT_FRACTION = 0.9
 
 
-def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
-            * elem)
+def block_bytes(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V, stored as `kv_dtype`
+    (models/kv_storage.py: int8 rows carry their scale)."""
+    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads
+            * row_bytes(cfg.head_dim, kv_dtype))
 
 
 def available_memory(device: torch.device) -> int:
@@ -47,12 +49,12 @@ def available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def determine_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+def determine_num_blocks(cfg: ModelConfig, block_size: int, kv_dtype: torch.dtype,
                          device: torch.device, num_blocks: int | None,
                          kv_cache_memory: int | float | None, max_num_seqs: int,
                          max_model_len: int) -> int:
     """`num_blocks` if given, else derived from a budget (bytes, or a fraction of free memory)."""
-    per_block = block_bytes(cfg, block_size, dtype)
+    per_block = block_bytes(cfg, block_size, kv_dtype)
     if num_blocks is not None:
         logger.info("KV cache: %d blocks of %d tokens (configured), %.1f MiB",
                     num_blocks, block_size, num_blocks * per_block / 2**20)
@@ -106,8 +108,10 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(shape, dtype=_SAME_WIDTH[width])).view(dtype)
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
+                      kv_dtype: torch.dtype, device: torch.device
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer K and V [num_blocks, block_size, kv_heads, row] in the storage type."""
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, row_elems(cfg.head_dim, kv_dtype))
+    return [(_zeros(shape, kv_dtype, device), _zeros(shape, kv_dtype, device))
             for _ in range(cfg.num_hidden_layers)]

@@ -27,6 +27,7 @@ from slotserve.errors import InvariantViolation
 from slotserve.memory import keep_freed_memory, resident_bytes
 from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
+from slotserve.models.kv_storage import resolve_kv_cache_dtype
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
 from slotserve.models.quantization import weight_memory
@@ -107,8 +108,9 @@ class ModelRunner:
         # Decided before the runner is built (EngineCore.from_engine_args), as for the
         # scheduler: both are built from the same CacheConfig.
         self.num_blocks = cache_config.num_blocks
-        self.kv_caches = allocate_kv_cache(cfg, self.num_blocks, self.block_size, self.dtype,
-                                           self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(cache_config.cache_dtype, self.dtype)
+        self.kv_caches = allocate_kv_cache(cfg, self.num_blocks, self.block_size,
+                                           self.kv_cache_dtype, self.device)
 
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.slots = RequestSlots(self.max_num_seqs)

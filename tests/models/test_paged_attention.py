@@ -4,7 +4,8 @@ Random K/V for every position of every request sit in shuffled cache blocks; one
 decodes (short and long contexts), fresh prefills (shorter and longer than the window) and
 chunks after a cached prefix. For full attention and for windows that start mid-block, inside
 the last block, on a block boundary and beyond every context, each path (the torch path and
-the native decode kernel) must give the dense result.
+the native decode kernel) must give the dense result, with the cache stored in every
+`--kv-cache-dtype` (of values that storage holds exactly).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from slotserve.models.attention import AttentionBackend, BatchLayout, paged_attention
+from slotserve.models.kv_storage import dequantize_rows, quantize_rows, row_elems, write_kv
 from slotserve.models.native_attention import find_compiler
 
 CPU = torch.device("cpu")
@@ -37,13 +39,21 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: 
     return torch.stack(out).reshape(q.shape[0], -1).float()
 
 
+def stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache gives it back: values the storage type holds exactly."""
+    if kv_dtype == torch.int8:
+        return dequantize_rows(quantize_rows(x), x.shape[-1], torch.float32)
+    return x.to(kv_dtype).float()
+
+
 def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_heads: int,
-             head_dim: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+             head_dim: int, seed: int = 0, kv_dtype: torch.dtype = torch.float32
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     lens = [nc + n for nc, n in STEP]
     num_blocks = 1 + sum(math.ceil(n / block_size) for n in lens) + 5
-    shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    shape = (num_blocks, block_size, kv_heads, row_elems(head_dim, kv_dtype))
+    k_cache, v_cache = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     table = np.zeros((len(STEP), 16), dtype=np.int64)
     queries, keys, values, slot_mapping, refs = [], [], [], [], []
@@ -51,13 +61,14 @@ def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_h
     for r, ((nc, n), length) in enumerate(zip(STEP, lens, strict=True)):
         nb = math.ceil(length / block_size)
         table[r, :nb], ids = ids[:nb], ids[nb:]
-        k = torch.randn(length, kv_heads, head_dim, generator=gen)
-        v = torch.randn(length, kv_heads, head_dim, generator=gen)
+        k = stored(torch.randn(length, kv_heads, head_dim, generator=gen), kv_dtype)
+        v = stored(torch.randn(length, kv_heads, head_dim, generator=gen), kv_dtype)
         q = torch.randn(n, heads, head_dim, generator=gen)
         pos = np.arange(length)
         slots = table[r, pos // block_size] * block_size + pos % block_size
-        k_cache.view(-1, kv_heads, head_dim)[slots[:nc]] = k[:nc]  # the cached prefix
-        v_cache.view(-1, kv_heads, head_dim)[slots[:nc]] = v[:nc]
+        # The whole sequence: the cached prefix and this step's tokens (the layer writes
+        # those before it attends).
+        write_kv((k_cache, v_cache), k, v, torch.from_numpy(slots))
         queries.append(q)
         keys.append(k[nc:])
         values.append(v[nc:])
@@ -87,6 +98,21 @@ def test_step_matches_dense_attention(native: bool, window: int | None, block_si
     if native and find_compiler() is None:
         pytest.skip("no C compiler: the native decode kernel cannot be built")
     got, refs = run_step(native, window, block_size, heads, kv_heads, head_dim)
+    for (nc, n), g, ref in zip(STEP, got, refs, strict=True):
+        torch.testing.assert_close(g, ref, atol=2e-5, rtol=1e-5,
+                                   msg=lambda m, nc=nc, n=n: f"({nc}, {n}): {m}")
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("window", [None, 6])
+def test_each_kv_cache_dtype_matches_dense_attention(native: bool, kv_dtype: torch.dtype,
+                                                     window: int | None) -> None:
+    """Either path reads 16- and 8-bit cache rows (int8 with their scales) back to the values
+    they stored: the dense result of those values, as tight as with a float32 cache."""
+    if native and find_compiler() is None:
+        pytest.skip("no C compiler: the native decode kernel cannot be built")
+    got, refs = run_step(native, window, 4, 4, 2, 32, seed=5, kv_dtype=kv_dtype)
     for (nc, n), g, ref in zip(STEP, got, refs, strict=True):
         torch.testing.assert_close(g, ref, atol=2e-5, rtol=1e-5,
                                    msg=lambda m, nc=nc, n=n: f"({nc}, {n}): {m}")

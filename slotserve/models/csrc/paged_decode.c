@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU in float32: one query token per sequence, K/V read
+/* Paged decode attention for the CPU, float32 queries: one query token per sequence, K/V read
  * straight from the paged cache (see slotserve/models/native_attention.py for why, and for
  * how this file is built and called).
  *
@@ -11,6 +11,11 @@
  * A sliding window of W tokens attends to positions [n - W, n) of a sequence of n tokens
  * (transformers' rule: key position > query position - W); window <= 0 means the whole
  * context. Blocks wholly before the window are never read.
+ *
+ * The cache rows may be stored as float32, bfloat16, float16 or int8 (q8_0 blocks along the
+ * row, the head_dim values then their float16 scales; models/kv_storage.py): each is widened
+ * to float32 as it is read, 16 values at a time, int8 values times their block's scale. One body serves every storage type: the type is a constant argument of an
+ * always-inlined function, so each gets its own loops.
  *
  * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
  * lengths, block ids, the scratch size they need) is checked here, before any memory is read.
@@ -29,24 +34,53 @@ enum {
     SLOTSERVE_BAD_CTX_LEN = 1,   /* a context length < 1 or beyond its block-table row */
     SLOTSERVE_BAD_BLOCK_ID = 2,  /* a block id outside [0, num_blocks) */
     SLOTSERVE_SMALL_SCRATCH = 3, /* scratch holds fewer than heads * attended tokens floats */
+    SLOTSERVE_BAD_KV_DTYPE = 4,  /* a storage type code this file does not know */
 };
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3 };
+
+typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
+typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
+typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
+
+/* Values c*16 .. c*16+15 of a cache row, as floats. */
+static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t c,
+                                                         const int kvt) {
+    if (kvt == KV_F32) return ((const v16*)row)[c];
+    if (kvt == KV_BF16) {
+        v16i bits = __builtin_convertvector(((const v16u16*)row)[c], v16i) << 16;
+        return (v16)bits;
+    }
+    if (kvt == KV_F16) return __builtin_convertvector(((const v16f16*)row)[c], v16);
+    return __builtin_convertvector(((const v16i8*)row)[c], v16);
+}
+
+/* The scale of values c*16 .. c*16+15 of an int8 row (1 for the other types): the float16
+   scales of its q8_0 blocks (32 values, or the whole row when head_dim is no multiple of 32)
+   follow the head_dim values. */
+static inline __attribute__((always_inline)) float chunk_scale(const char* row, int64_t c,
+                                                               int64_t head_dim, const int kvt) {
+    if (kvt != KV_INT8) return 1.0f;
+    int64_t qk = head_dim % 32 == 0 ? 32 : head_dim;
+    _Float16 s;
+    memcpy(&s, row + head_dim + 2 * (c * 16 / qk), sizeof s);
+    return (float)s;
+}
 
 /* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
    while a block's row i is used, row i of the sequence's next block is requested. */
 #define PREFETCH_ROW(ptr) \
-    for (int64_t j = 0; j < tok_stride; j += 16) __builtin_prefetch((ptr) + j)
+    for (int64_t j = 0; j < tok_stride; j += 64) __builtin_prefetch((ptr) + j)
 
-/* q [nd, kvh * groups, head_dim] (rows q_stride floats apart, heads contiguous),
-   caches [num_blocks, bs, kvh, head_dim] contiguous, block_table [nd, max_blocks],
-   ctx_lens [nd], out [nd, kvh * groups * head_dim] (rows out_stride apart),
-   scratch [scratch_len]. head_dim % 16 == 0. */
-int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_cache,
-        const float* v_cache, int64_t num_blocks, const int64_t* block_table,
-        int64_t max_blocks, const int64_t* ctx_lens, int64_t window, float* out,
-        int64_t out_stride, float* scratch, int64_t scratch_len, int64_t b0, int64_t b1,
-        int64_t kvh, int64_t groups, int64_t head_dim, int64_t bs, float scale) {
+static inline __attribute__((always_inline)) int decode(
+        const float* q, int64_t q_stride, const char* k_cache, const char* v_cache,
+        int64_t num_blocks, const int64_t* block_table, int64_t max_blocks,
+        const int64_t* ctx_lens, int64_t window, float* out, int64_t out_stride,
+        float* scratch, int64_t scratch_len, int64_t b0, int64_t b1, int64_t kvh,
+        int64_t groups, int64_t head_dim, int64_t bs, float scale, int64_t row_bytes,
+        const int kvt) {
     int64_t nh = kvh * groups, nc = head_dim / 16;
-    int64_t tok_stride = kvh * head_dim, blk_stride = bs * tok_stride;
+    int64_t tok_stride = kvh * row_bytes, blk_stride = bs * tok_stride;
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx_lens[b];
         if (n < 1 || n > max_blocks * bs) return SLOTSERVE_BAD_CTX_LEN;
@@ -60,16 +94,17 @@ int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_
         const float* qb = q + b * q_stride;
         float* p = scratch;  /* p[hq * span + t - lo]: scores, then probabilities */
         for (int64_t t0 = first * bs; t0 < n; t0 += bs) {
-            const float* blk = k_cache + blocks[t0 / bs] * blk_stride;
-            const float* next = t0 + bs < n ? k_cache + blocks[t0 / bs + 1] * blk_stride : blk;
+            const char* blk = k_cache + blocks[t0 / bs] * blk_stride;
+            const char* next = t0 + bs < n ? k_cache + blocks[t0 / bs + 1] * blk_stride : blk;
             int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
                 for (int64_t hq = 0; hq < nh; hq++) {
-                    const v16* kv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
+                    const char* kr = blk + i * tok_stride + hq / groups * row_bytes;
                     const v16* qv = (const v16*)(qb + hq * head_dim);
-                    v16 acc = qv[0] * kv[0];
-                    for (int64_t c = 1; c < nc; c++) acc += qv[c] * kv[c];
+                    v16 acc = qv[0] * load16(kr, 0, kvt) * chunk_scale(kr, 0, head_dim, kvt);
+                    for (int64_t c = 1; c < nc; c++)
+                        acc += qv[c] * load16(kr, c, kvt) * chunk_scale(kr, c, head_dim, kvt);
                     p[hq * span + t0 + i - lo] = scale * hsum(acc);
                 }
             }
@@ -86,18 +121,44 @@ int slotserve_paged_decode_f32(const float* q, int64_t q_stride, const float* k_
         v16* acc = (v16*)(out + b * out_stride);
         memset(acc, 0, sizeof(float) * nh * head_dim);
         for (int64_t t0 = first * bs; t0 < n; t0 += bs) {
-            const float* blk = v_cache + blocks[t0 / bs] * blk_stride;
-            const float* next = t0 + bs < n ? v_cache + blocks[t0 / bs + 1] * blk_stride : blk;
+            const char* blk = v_cache + blocks[t0 / bs] * blk_stride;
+            const char* next = t0 + bs < n ? v_cache + blocks[t0 / bs + 1] * blk_stride : blk;
             int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
                 for (int64_t hq = 0; hq < nh; hq++) {
-                    const v16* vv = (const v16*)(blk + i * tok_stride + hq / groups * head_dim);
-                    v16 w = (v16){0} + p[hq * span + t0 + i - lo];
-                    for (int64_t c = 0; c < nc; c++) acc[hq * nc + c] += w * vv[c];
+                    const char* vr = blk + i * tok_stride + hq / groups * row_bytes;
+                    float pw = p[hq * span + t0 + i - lo];
+                    for (int64_t c = 0; c < nc; c++) {
+                        v16 w = (v16){0} + pw * chunk_scale(vr, c, head_dim, kvt);
+                        acc[hq * nc + c] += w * load16(vr, c, kvt);
+                    }
                 }
             }
         }
     }
     return SLOTSERVE_OK;
+}
+
+/* q [nd, kvh * groups, head_dim] (rows q_stride floats apart, heads contiguous),
+   caches [num_blocks, bs, kvh, row_bytes] contiguous in storage type kv_dtype (the enum
+   above), block_table [nd, max_blocks], ctx_lens [nd], out [nd, kvh * groups * head_dim]
+   (rows out_stride apart), scratch [scratch_len]. head_dim % 16 == 0. */
+int slotserve_paged_decode(const float* q, int64_t q_stride, const void* k_cache,
+        const void* v_cache, int64_t num_blocks, const int64_t* block_table,
+        int64_t max_blocks, const int64_t* ctx_lens, int64_t window, float* out,
+        int64_t out_stride, float* scratch, int64_t scratch_len, int64_t b0, int64_t b1,
+        int64_t kvh, int64_t groups, int64_t head_dim, int64_t bs, float scale,
+        int64_t row_bytes, int kv_dtype) {
+#define CALL(kvt) decode(q, q_stride, k_cache, v_cache, num_blocks, block_table, max_blocks, \
+                         ctx_lens, window, out, out_stride, scratch, scratch_len, b0, b1, kvh, \
+                         groups, head_dim, bs, scale, row_bytes, kvt)
+    switch (kv_dtype) {
+    case KV_F32: return CALL(KV_F32);
+    case KV_BF16: return CALL(KV_BF16);
+    case KV_F16: return CALL(KV_F16);
+    case KV_INT8: return CALL(KV_INT8);
+    default: return SLOTSERVE_BAD_KV_DTYPE;
+    }
+#undef CALL
 }
