@@ -69,6 +69,9 @@ class EngineArgs:
     # forward pass keeps the cores busy and a handoff per step costs a context switch.
     grammar_compile_timeout_s: float = 10.0
     grammar_bitmask_overlap: bool | None = None
+    # KV-cache events in vLLM's wire format on a ZMQ PUB socket bound here (e.g.
+    # "tcp://*:5557"), for KV-aware routers (engine/kv_events.py); None: off.
+    kv_events_endpoint: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -143,4 +146,5 @@ class EngineArgs:
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching)
         return EngineConfig(scheduler_config, cache_config, check=self.check,
-                            trace_path=self.trace_path)
+                            trace_path=self.trace_path,
+                            kv_events_endpoint=self.kv_events_endpoint)

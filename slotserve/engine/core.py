@@ -35,6 +35,7 @@ from slotserve.memory import resident_bytes
 from slotserve.worker.slots import RequestSlots
 
 if TYPE_CHECKING:
+    from slotserve.engine.kv_events import KVEventPublisher
     from slotserve.models.config import ModelConfig
     from slotserve.structured_output import StructuredOutputManager
     from slotserve.structured_output.manager import CompiledGrammar
@@ -94,6 +95,12 @@ class EngineCore:
         # idle session keeps within its grace period): the loop waits a little instead of
         # spinning.
         self.stalled = False
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            from slotserve.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint)
+            self.scheduler.kv_cache_manager.block_pool.kv_events = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -257,7 +264,10 @@ class EngineCore:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         if self.trace is not None:
             self.trace.reset_prefix_cache(reset_running_requests)
-        return self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        ok = self.scheduler.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        if self.kv_events is not None:
+            self.publish_kv_events()
+        return ok
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.make_stats()
@@ -284,7 +294,15 @@ class EngineCore:
 
     # ----- the step ---------------------------------------------------------------------------
 
+    def publish_kv_events(self) -> None:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if self.kv_events is not None and pool.kv_events:
+            self.kv_events.publish(pool.kv_events)
+            pool.kv_events = []
+
     def step(self) -> EngineCoreOutputs:
+        if self.kv_events is not None:
+            self.publish_kv_events()  # what utilities did between steps (a cache reset)
         if self.waiting_for_grammar:
             self._admit_compiled(time.monotonic())
         rejected, self.rejected_outputs = self.rejected_outputs, []
@@ -301,6 +319,8 @@ class EngineCore:
                 out.outputs[:0] = rejected
             return out
         finally:
+            if self.kv_events is not None:
+                self.publish_kv_events()
             self.num_steps += 1
             self.busy_s += time.monotonic() - schedule_time
             self.busy_cpu_s += time.thread_time() - cpu_start

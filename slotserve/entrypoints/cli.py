@@ -57,6 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "kernel runs them; none: dequantize every weight at load")
     parser.add_argument("--check", action="store_true",
                         help="run the scheduler/worker invariant checker every step")
+    parser.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                        help="publish KV-cache events (vLLM's format) on a ZMQ PUB socket "
+                        "bound here, e.g. tcp://*:5557")
     parser.add_argument("--threads", type=int, default=None,
                         help=f"torch CPU threads (default: {default_num_threads()})")
 
@@ -69,6 +72,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": args.num_blocks, "kv_cache_memory": args.kv_cache_memory,
         "enable_prefix_caching": not args.no_prefix_caching, "policy": args.policy,
         "check": args.check or None, "quantization": args.quantization,
+        "kv_events_endpoint": args.kv_events_endpoint,
     }
 
 

@@ -34,7 +34,8 @@ from slotserve.entrypoints.openai.limits import ServerLimits
 from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, ModelCard, ModelList
 from slotserve.entrypoints.openai.serving_chat import render_chat
 from slotserve.entrypoints.openai.serving_engine import json_response
-from slotserve.ray.router import replica_reports
+from slotserve.ray.server import ReplicaUnavailable
+from slotserve.ray.state import avoid_replica, replica_reports
 from slotserve.routing.policy import request_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -181,9 +182,13 @@ class OpenAIIngress:
                 hashes, method, path, query, headers, body))
             try:
                 start = await stream.__anext__()
-            except (RayActorError, ActorUnavailableError):
+            except (RayActorError, ActorUnavailableError, ReplicaUnavailable) as exc:
                 # Nothing was produced yet: another replica may answer it.
-                logger.warning("replica died before answering %s; attempt %d", path, attempt)
+                if isinstance(exc, ReplicaUnavailable):
+                    # Ray hands a replica's exception back wrapped, its original as `cause`.
+                    avoid_replica(model, getattr(exc, "cause", exc).replica_id)
+                logger.warning("replica died before answering %s (attempt %d): %s", path,
+                               attempt, exc)
                 continue
             return _Relay(start, stream)
         return APIError(503, "no replica could answer the request", code="replica_died"

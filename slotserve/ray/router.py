@@ -6,7 +6,7 @@ ingress). The request's block hashes are the first argument of `LLMServer.handle
 router ranks the candidates with the policy (each replica its own rank, so Ray falls through
 to the next when one is full) and learns from where Ray sent the request. Replicas report what
 their prefix cache holds through `record_routing_stats`; those reports correct the policy's
-view and are kept here for the ingress's `/metrics`.
+view and are kept (in `state.py`) for the ingress's `/metrics`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,8 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from slotserve.ray.state import avoided, model_reports
 from slotserve.routing.policy import PolicyConfig, RouterPolicy, RoutingPolicy
-
-# deployment name -> replica id -> its last routing stats, for the ingress in this process.
-_REPORTS: dict[str, dict[str, dict[str, Any]]] = {}
-
-
-def replica_reports() -> dict[str, dict[str, dict[str, Any]]]:
-    return _REPORTS
 
 
 def _hashes_of(pending: PendingRequest | None) -> list[bytes]:
@@ -51,7 +45,7 @@ class PrefixAwareRouter(RequestRouter):
 
     def _absorb_reports(self, replicas: list[RunningReplica]) -> None:
         now = time.monotonic()
-        reports = _REPORTS.setdefault(self._model, {})
+        reports = model_reports(self._model)
         live = {r.replica_id.unique_id for r in replicas}
         for r in replicas:
             stats = r.routing_stats
@@ -73,6 +67,10 @@ class PrefixAwareRouter(RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        avoid = avoided(self._model, time.monotonic())
+        healthy = [rid for rid in by_id if rid not in avoid]
+        if healthy:  # with none left, the request waits on one of them rather than fail here
+            by_id = {rid: by_id[rid] for rid in healthy}
         loads = {rid: self._inflight.get(rid, 0) for rid in by_id}
         ranking = self._policy.rank(_hashes_of(pending_request), list(by_id), loads)
         return [[by_id[rid]] for rid in ranking]

@@ -31,6 +31,15 @@ REPLICA_HEADER = "x-slotserve-replica"
 MAX_REPORTED_HASHES = 8192
 
 
+class ReplicaUnavailable(RuntimeError):
+    """This replica cannot serve (its engine core died): the ingress sends the request to
+    another replica and the router avoids this one until Serve has replaced it."""
+
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(f"replica {replica_id}: the engine core has died")
+        self.replica_id = replica_id
+
+
 def cached_block_hashes(core: EngineCore, limit: int = MAX_REPORTED_HASHES) -> list[bytes]:
     """The prefix cache's hashes, newest last (runs inside the engine core, between steps)."""
     hashes = list(core.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
@@ -112,13 +121,17 @@ class LLMServer:
     def engine_info(self) -> dict[str, Any]:
         return self.info
 
-    def engine_pid(self) -> int | None:
-        return getattr(self.engine.engine.engine_core, "pid", None)
+    def describe(self) -> dict[str, Any]:
+        """Who this replica is and its engine core's process id (for operators and tests)."""
+        return {"replica_id": self.replica_id,
+                "engine_pid": getattr(self.engine.engine.engine_core, "pid", None)}
 
     async def handle_http(self, block_hashes: list[bytes], method: str, path: str,
                           query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
                           ) -> AsyncIterator[dict[str, Any]]:
         """The app's ASGI messages for one request (`block_hashes` are the router's)."""
+        if self.engine.errored:
+            raise ReplicaUnavailable(self.replica_id)
         async for message in call_asgi(self.app, method, path, query, headers, body):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()),
