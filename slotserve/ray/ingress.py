@@ -159,10 +159,14 @@ class OpenAIIngress:
             return model, body, []
         tokens: list[int] | None = None
         try:
-            if path == "/v1/completions" and isinstance(doc.get("prompt"), str):
-                tokens = await asyncio.to_thread(processor.tokenize, doc["prompt"])
+            prompt = doc.get("prompt")
+            if path == "/v1/completions" and isinstance(prompt, str):
+                tokens = await asyncio.to_thread(processor.tokenize, prompt)
                 doc["prompt"] = tokens  # the replica does not tokenize it again
                 body = json.dumps(doc).encode()
+            elif (path == "/v1/completions" and isinstance(prompt, list) and prompt
+                  and all(type(t) is int for t in prompt)):
+                tokens = prompt
             elif path == "/v1/chat/completions":
                 req = ChatCompletionRequest.model_validate(doc)
                 tokens = await asyncio.to_thread(

@@ -9,8 +9,7 @@ the router knows for a replica is a block that replica's prefix cache can hit. R
 Ray's `PrefixCacheAffinityRouter` and SGLang's router do it: while the queue-length gap between
 replicas exceeds a threshold, power of two choices (load first); otherwise the replicas holding
 the most leading blocks of the request, minus a load term; a request that matches nothing goes
-to the least loaded, ties to the replica holding the least cache, then at random, so cold
-requests spread.
+to the least loaded, ties at random, so cold requests spread.
 """
 
 from __future__ import annotations
@@ -139,9 +138,10 @@ def rank_replicas(hashes: Sequence[bytes], replica_ids: Sequence[str],
     match = {r: index.summary(r).prefix_blocks(hashes) for r in replica_ids}
     tiebreak = {r: rng.random() for r in replica_ids}
     if max(match.values()) == 0:
-        # Cold: least loaded, then the least cache held, then at random.
-        return sorted(replica_ids, key=lambda r: (
-            loads.get(r, 0), index.summary(r).size, tiebreak[r]))
+        # Cold: the least loaded, ties at random. (Not "the one holding the least cache":
+        # a fresh replica would then take every cold request until its cache outgrew the
+        # others', a herd the fleet simulator shows.)
+        return sorted(replica_ids, key=lambda r: (loads.get(r, 0), tiebreak[r]))
     w = index.config.load_weight
     return sorted(replica_ids, key=lambda r: (
         -(match[r] / len(hashes) - w * loads.get(r, 0)), loads.get(r, 0), tiebreak[r]))

@@ -171,8 +171,11 @@ def test_killed_replicas_are_replaced_and_service_goes_on(cluster: Cluster) -> N
 
     eventually(b_replaced, 120, "a new replica of b answers")
 
+    rounds = iter(range(1000))
+
     def a_replaced() -> bool:
-        ids = {complete(cluster, f"fresh {i} " * 6)[0] for i in range(4)}
+        k = next(rounds)
+        ids = {complete(cluster, f"fresh {k} {i} " * 6)[0] for i in range(4)}
         return len(ids) == 2 and a_first not in ids
 
     eventually(a_replaced, 120, "a new replica of a answers")
