@@ -45,7 +45,7 @@ from procs import free_port, stop, wait_healthy  # noqa: E402
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 
 MODEL = "dp-bench"
-ENGINE_FLAGS = ["--max-model-len", "1200", "--max-num-seqs", "32", "--num-blocks", "1024"]
+ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024"]
 
 
 @contextmanager

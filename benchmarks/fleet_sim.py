@@ -66,7 +66,7 @@ def fit(seconds: float) -> list[float]:
 
     torch.set_num_threads(1)
     engine = LLMEngine.from_engine_args(
-        None, model=None, max_model_len=2048, num_blocks=1024, max_num_seqs=32,
+        None, model=None, max_model_len=1024, num_blocks=1024, max_num_seqs=32,
         enable_prefix_caching=False, device="cpu", dtype="float32")  # type: ignore[arg-type]
     core = engine.engine_core.engine_core  # type: ignore[attr-defined]
     sched, runner = core.scheduler, core.model_runner
@@ -86,7 +86,7 @@ def fit(seconds: float) -> list[float]:
     k = 0
     while time.monotonic() < deadline:
         for _ in range(rng.randint(1, 12)):
-            n = rng.choice((32, 128, 300, 600, 1000))
+            n = rng.choice((32, 128, 300, 600, 900))
             engine.add_request(f"fit-{k}", {"prompt_token_ids": [rng.randrange(1, 60)
                                                                  for _ in range(n)]},
                                SamplingParams(max_tokens=rng.randint(8, 48), temperature=0,

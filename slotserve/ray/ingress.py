@@ -34,7 +34,7 @@ from slotserve.entrypoints.openai.limits import ServerLimits
 from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, ModelCard, ModelList
 from slotserve.entrypoints.openai.serving_chat import render_chat
 from slotserve.entrypoints.openai.serving_engine import json_response
-from slotserve.ray.server import ReplicaUnavailable
+from slotserve.ray.server import REPLICA_HEADER, ReplicaUnavailable
 from slotserve.ray.state import avoid_replica, replica_reports
 from slotserve.routing.policy import request_block_hashes
 
@@ -103,6 +103,8 @@ class OpenAIIngress:
         self.limits = limits or ServerLimits()
         self.info: dict[str, dict[str, Any]] = {}
         self.processors: dict[str, Processor] = {}
+        # What the ingress answers itself carries its own replica id.
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def _engine(self, model: str) -> tuple[dict[str, Any], Processor]:
         """The model's engine facts (from a replica) and a front processor, made once."""
@@ -116,7 +118,15 @@ class OpenAIIngress:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def route(self, path: str, raw: Request) -> Response:
-        path = "/" + path
+        try:
+            response = await self._route("/" + path, raw)
+        except APIError as exc:
+            response = exc.response()
+        if not isinstance(response, _Relay):
+            response.headers[REPLICA_HEADER] = self.replica_id
+        return response
+
+    async def _route(self, path: str, raw: Request) -> Response:
         if path == "/health":
             return Response(status_code=200)
         if self.api_key and not key_matches(raw.scope, self.api_key):
