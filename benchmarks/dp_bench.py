@@ -45,7 +45,10 @@ from procs import free_port, stop, wait_healthy  # noqa: E402
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 
 MODEL = "dp-bench"
-ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024"]
+# Admission bounds high enough that the unbounded-rate part is never answered with 429.
+ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024",
+                "--max-waiting-seqs", "4096", "--max-waiting-tokens", "100000000",
+                "--max-client-share", "1.0"]
 
 
 @contextmanager

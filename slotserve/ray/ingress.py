@@ -147,8 +147,10 @@ class OpenAIIngress:
         model, body, hashes = await self._prepare(path, body)
         headers = [(k, v) for k, v in raw.scope["headers"] if k != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
+        peer = raw.client
+        client = (peer.host, peer.port) if peer is not None else ("unknown", 0)
         return await self._forward(model, hashes, raw.method, path,
-                                   raw.scope.get("query_string", b""), headers, body)
+                                   raw.scope.get("query_string", b""), headers, body, client)
 
     async def _prepare(self, path: str, body: bytes) -> tuple[str, bytes, list[bytes]]:
         """The request's model, its body for the replica and its block hashes."""
@@ -188,12 +190,12 @@ class OpenAIIngress:
         return model, body, hashes
 
     async def _forward(self, model: str, hashes: list[bytes], method: str, path: str,
-                       query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-                       ) -> Response:
+                       query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+                       client: tuple[str, int]) -> Response:
         handle = self.models[model].options(stream=True)
         for attempt in range(MAX_RETRIES + 1):
             stream = cast(DeploymentResponseGenerator[dict[str, Any]], handle.handle_http.remote(
-                hashes, method, path, query, headers, body))
+                hashes, method, path, query, headers, body, client))
             try:
                 start = await stream.__anext__()
             except (RayActorError, ActorUnavailableError, ReplicaUnavailable) as exc:

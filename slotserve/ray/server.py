@@ -52,8 +52,8 @@ def queue_length(core: EngineCore) -> int:
 
 
 async def call_asgi(app: Any, method: str, path: str, query: bytes,
-                    headers: list[tuple[bytes, bytes]], body: bytes
-                    ) -> AsyncIterator[dict[str, Any]]:
+                    headers: list[tuple[bytes, bytes]], body: bytes,
+                    client: tuple[str, int]) -> AsyncIterator[dict[str, Any]]:
     """Drive the ASGI app in process and yield the messages it sends (start, body parts)."""
     sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     delivered = False
@@ -73,7 +73,7 @@ async def call_asgi(app: Any, method: str, path: str, query: bytes,
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": query, "root_path": "", "headers": headers,
-             "client": ("ray-serve-ingress", 0), "server": ("slotserve-replica", 0)}
+             "client": client, "server": ("slotserve-replica", 0)}
 
     async def run() -> None:
         try:
@@ -127,12 +127,14 @@ class LLMServer:
                 "engine_pid": getattr(self.engine.engine.engine_core, "pid", None)}
 
     async def handle_http(self, block_hashes: list[bytes], method: str, path: str,
-                          query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+                          query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
+                          client: tuple[str, int] = ("ray-serve-ingress", 0)
                           ) -> AsyncIterator[dict[str, Any]]:
-        """The app's ASGI messages for one request (`block_hashes` are the router's)."""
+        """The app's ASGI messages for one request (`block_hashes` are the router's;
+        `client` is the caller's address, which admission control tells clients apart by)."""
         if self.engine.errored:
             raise ReplicaUnavailable(self.replica_id)
-        async for message in call_asgi(self.app, method, path, query, headers, body):
+        async for message in call_asgi(self.app, method, path, query, headers, body, client):
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (REPLICA_HEADER.encode(),
