@@ -117,6 +117,8 @@ class EngineConfig:
     check: bool = False
     # Record every scheduler event here for a replay (SLOTSERVE_TRACE=PATH at the entry).
     trace_path: str | None = None
+    # Publish KV-cache events (vLLM's format) on a ZMQ PUB socket bound here.
+    kv_events_endpoint: str | None = None
 
     @property
     def max_model_len(self) -> int:

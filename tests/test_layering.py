@@ -27,12 +27,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("worker", ("slotserve.worker",)),
     ("core", ("slotserve.core",)),
     ("check", ("slotserve.check",)),
+    # The replica routing policy: block hashes with the core's function, no Ray, no torch.
+    ("routing", ("slotserve.routing",)),
     # Grammars (llguidance): texts from constraints for the front, compiled matchers and the
     # per-step bitmask for the core; beneath the engine that uses both, above the core whose
     # StructuredOutputGrammar protocol it implements.
     ("structured", ("slotserve.structured_output",)),
     ("engine", ("slotserve.engine", "slotserve.outputs")),
-    ("entrypoints", ("slotserve.entrypoints", "slotserve.metrics", "slotserve.__init__")),
+    # slotserve.ray (Ray Serve replicas behind the prefix router) is a front like the server.
+    ("entrypoints", ("slotserve.entrypoints", "slotserve.metrics", "slotserve.__init__",
+                     "slotserve.ray")),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 
@@ -89,11 +93,11 @@ def test_no_layer_imports_a_higher_one() -> None:
 def test_core_and_check_import_no_torch() -> None:
     graph = all_imports()
     offenders = sorted(f"{mod} imports {dep}" for mod, deps in graph.items()
-                       if layer_of(mod) in ("base", "contract", "core", "check")
+                       if layer_of(mod) in ("base", "contract", "core", "check", "routing")
                        for dep in deps if dep.split(".")[0] in ("torch", "numpy"))
     assert offenders == []
     # And nothing they import pulls torch in at run time.
-    modules = [m for m in graph if layer_of(m) in ("core", "check", "contract")]
+    modules = [m for m in graph if layer_of(m) in ("core", "check", "contract", "routing")]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
             + "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

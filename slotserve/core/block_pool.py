@@ -8,6 +8,7 @@ the eviction order, least recently freed first.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 
 class KVCacheBlock:
@@ -81,6 +82,9 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # KV-cache events in vLLM's wire layout (engine/kv_events.py drains and publishes
+        # them) while a publisher is attached; None: off.
+        self.kv_events: list[list[Any]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -95,18 +99,25 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        # An identical block already cached (e.g. two requests computed the same content
-        # before either was registered) stays the canonical copy; this one stays unhashed.
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a full block; False if an identical block already is the canonical copy
+        (e.g. two requests computed the same content before either was registered)."""
         if block.block_hash is None and block_hash not in self.cached_block_hash_to_block:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+            return True
+        return False
+
+    def _removed(self, block_hash: bytes) -> None:
+        if self.kv_events is not None:
+            self.kv_events.append(["BlockRemoved", [block_hash], None])
 
     def uncache_block(self, block: KVCacheBlock) -> None:
         h = block.block_hash
         if h is not None:
             if self.cached_block_hash_to_block.get(h) is block:
                 del self.cached_block_hash_to_block[h]
+                self._removed(h)
             block.block_hash = None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -121,6 +132,7 @@ class BlockPool:
                 # Evict: the block is reused for new content.
                 if cache.get(b.block_hash) is b:
                     del cache[b.block_hash]
+                    self._removed(b.block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -147,4 +159,6 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for b in self.blocks:
             b.block_hash = None
+        if self.kv_events is not None:
+            self.kv_events.append(["AllBlocksCleared"])
         return True

@@ -149,9 +149,13 @@ class KVCacheManager:
         if n_full <= done:
             return
         hashes = self.update_block_hashes(request, n_full * self.block_size)
-        cache_block = self.block_pool.cache_block
+        pool = self.block_pool
+        events, bs = pool.kv_events, self.block_size
         for i in range(done, n_full):
-            cache_block(blocks[i], hashes[i])
+            if pool.cache_block(blocks[i], hashes[i]) and events is not None:
+                # vLLM's BlockStored: hashes, parent hash, token ids, block size, lora, medium.
+                events.append(["BlockStored", [hashes[i]], hashes[i - 1] if i else None,
+                               request.all_token_ids[i * bs:(i + 1) * bs], bs, None, None])
         self.num_cached_block[req_id] = n_full
 
     def free(self, request: Request) -> None:

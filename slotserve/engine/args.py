@@ -82,6 +82,9 @@ class EngineArgs:
     # models/kv_storage.py: int8 is q8_0 blocks of one head's values (llama.cpp's q8_0 cache).
     kv_cache_dtype: str = _arg("auto", "how the KV cache stores K/V: auto (the model dtype), "
                                "float32, bfloat16, float16, int8")
+    # engine/kv_events.py: for KV-aware routers; None: off.
+    kv_events_endpoint: str | None = _arg(None, "publish KV-cache events (vLLM's format) on a "
+                                          "ZMQ PUB socket bound here, e.g. tcp://*:5557")
     grammar_compile_timeout_s: float = _arg(10.0, "refuse a request whose grammar is not "
                                             "compiled within this many seconds")
     # None: overlapped when the model runs on an accelerator, whose forward pass leaves the
@@ -166,4 +169,5 @@ class EngineArgs:
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    cache_dtype=self.kv_cache_dtype)
         return EngineConfig(scheduler_config, cache_config, check=self.check,
-                            trace_path=self.trace_path)
+                            trace_path=self.trace_path,
+                            kv_events_endpoint=self.kv_events_endpoint)

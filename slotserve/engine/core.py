@@ -33,6 +33,7 @@ from slotserve.memory import resident_bytes
 from slotserve.worker.slots import RequestSlots
 
 if TYPE_CHECKING:
+    from slotserve.engine.kv_events import KVEventPublisher
     from slotserve.model_config import ModelConfig
     from slotserve.structured_output import StructuredOutputManager
 
@@ -80,6 +81,12 @@ class EngineCore:
         # idle session keeps within its grace period): the loop waits a little instead of
         # spinning.
         self.stalled = False
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint:
+            from slotserve.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint)
+            self.scheduler.kv_cache_manager.block_pool.kv_events = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -172,7 +179,10 @@ class EngineCore:
         return self.scheduler.num_waiting_for_streaming_input > 0
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return self.observer.reset_prefix_cache(reset_running_requests)
+        ok = self.observer.reset_prefix_cache(reset_running_requests)
+        if self.kv_events is not None:
+            self.publish_kv_events()
+        return ok
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.make_stats()
@@ -198,7 +208,15 @@ class EngineCore:
 
     # ----- the step ---------------------------------------------------------------------------
 
+    def publish_kv_events(self) -> None:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if self.kv_events is not None and pool.kv_events:
+            self.kv_events.publish(pool.kv_events)
+            pool.kv_events = []
+
     def step(self) -> EngineCoreOutputs:
+        if self.kv_events is not None:
+            self.publish_kv_events()  # what utilities did between steps (a cache reset)
         # With only idle sessions or compiling grammars a step still runs: schedule() is
         # where sessions time out and ready grammars join the queue, so a loop ticks step()
         # now and then meanwhile.
@@ -210,6 +228,8 @@ class EngineCore:
         try:
             return self._step(schedule_time)
         finally:
+            if self.kv_events is not None:
+                self.publish_kv_events()
             self.num_steps += 1
             self.busy_s += time.monotonic() - schedule_time
             self.busy_cpu_s += time.thread_time() - cpu_start

@@ -205,6 +205,13 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how the model writes tool calls (default: read from its chat "
                    "template)")
+    dp = p.add_argument_group("data parallel (Ray Serve, docs/RAY.md)")
+    dp.add_argument("--data-parallel-size", type=int, default=1,
+                    help="engine replicas behind the one endpoint (default 1: no Ray)")
+    dp.add_argument("--router", choices=("prefix", "pow2", "round_robin"), default="prefix",
+                    help="how requests pick a replica (default: prefix-cache affinity)")
+    dp.add_argument("--ray-address", default=None,
+                    help="join this Ray cluster (default: start a local one)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -244,6 +251,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size > 1 or args.ray_address:
+        return _serve_on_ray(args, limits)
     if args.engine_mode == "process":
         # Only the engine child runs torch: importing it here too would cost the server
         # process about 200 MB of resident memory for nothing.
@@ -273,6 +282,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()  # idempotent; the app's lifespan normally did it already
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, limits: ServerLimits) -> int:
+    if args.data_parallel_size < 1:
+        print("error: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        from slotserve.ray.launch import serve_replicas
+    except ImportError:
+        print('error: --data-parallel-size needs Ray: pip install "slotserve[ray]"',
+              file=sys.stderr)
+        return 2
+    kwargs = engine_kwargs_from_args(args)
+    return serve_replicas(
+        engine_kwargs=kwargs, served_model_name=args.served_model_name or args.model
+        or DEFAULT_MODEL_NAME, num_replicas=args.data_parallel_size, router=args.router,
+        threads=args.threads, ray_address=args.ray_address, host=args.host, port=args.port,
+        api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
 
 
 def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

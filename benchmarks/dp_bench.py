@@ -1,0 +1,182 @@
+"""Data parallelism on this machine: 2 Ray Serve replicas x 1 thread against one process x 1
+and x 2 threads, and the prefix router against pow2 on a shared-prefix workload.
+
+    python benchmarks/dp_bench.py                       # both parts, about 10 minutes
+    python benchmarks/dp_bench.py --part prefix --json dp.json
+
+Part `throughput`: the same seeded random token-id prompts (--num-prompts, --input-len,
+--output-len, ignore_eos) sent all at once (unbounded rate, --max-concurrency in flight) to
+`slotserve serve --threads 1`, `--threads 2` and `--data-parallel-size 2 --threads 1`; output
+tokens per second and their ratios (targets: dp2 >= 1.7x threads 1, and above threads 2).
+
+Part `prefix`: the trace of benchmarks/fleet_sim.py (the same function, the same seed:
+--prompts system prompts of --prompt-len tokens, a user part each, Poisson arrivals at
+--rate), sent at its arrival times to one process (1 thread) and to 2 replicas under
+`--router prefix` and `--router pow2`; prefix-cache hit rate (the servers' own counters,
+summed over replicas), TTFT median and throughput (targets: prefix's hit rate >= 0.9x one
+replica's, TTFT median <= 0.7x pow2's). `fleet_sim.py --replicas 2` with the same trace
+arguments is the simulator's prediction for the prefix row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleet_sim import trace  # noqa: E402
+from procs import free_port, stop, wait_healthy  # noqa: E402
+
+from slotserve.entrypoints import bench_serve as client  # noqa: E402
+
+MODEL = "dp-bench"
+# Admission bounds high enough that the unbounded-rate part is never answered with 429.
+ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024",
+                "--max-waiting-seqs", "4096", "--max-waiting-tokens", "100000000",
+                "--max-client-share", "1.0"]
+
+
+@contextmanager
+def server(flags: list[str], log: Path) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
+             "--served-model-name", MODEL, "--log-level", "warning", *ENGINE_FLAGS, *flags],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, url, timeout=600, name=" ".join(flags), log=log)
+            # The Ray ingress is healthy before its replicas; wait until a request answers.
+            warm = [client.BenchRequest([100 + i for i in range(40)], 2)]
+            deadline = time.monotonic() + 600
+            while not run(url, warm, [0.0])["ok"] and time.monotonic() < deadline:
+                time.sleep(2)
+            yield url
+        finally:
+            stop(proc, timeout=90)
+
+
+def run(url: str, requests: list[client.BenchRequest], at: list[float]) -> dict[str, Any]:
+    """Send request i at time at[i] (seconds from start); summarize."""
+    ep = client.Endpoint(url, None)
+
+    async def go() -> tuple[list[client.RequestResult], float]:
+        start = time.perf_counter()
+
+        async def one(req: client.BenchRequest, t: float) -> client.RequestResult:
+            await asyncio.sleep(max(0.0, t - (time.perf_counter() - start)))
+            return await client.send_one(ep, MODEL, req, 0.0)
+
+        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, at, strict=True)))
+        return list(results), time.perf_counter() - start
+
+    results, duration = asyncio.run(go())
+    ok = [r for r in results if r.ok]
+    return {"ok": len(ok) == len(results), "failed": len(results) - len(ok),
+            "throughput": sum(r.output_tokens for r in ok) / duration,
+            "ttft_p50_ms": 1000 * statistics.median([r.ttft for r in ok]) if ok else 0.0,
+            "errors": [r.error for r in results if not r.ok][:3]}
+
+
+def hit_rate(url: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(
+            rf"^slotserve:{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+
+    return total("prefix_cache_hits") / max(1.0, total("prefix_cache_queries"))
+
+
+def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    vocab = client.model_vocab_size(None)
+    reqs = client.make_dataset(args.num_prompts, args.input_len, args.output_len, 0.5, vocab,
+                               args.seed)
+    setups = {"1 process x 1 thread": ["--threads", "1"],
+              "1 process x 2 threads": ["--threads", "2"],
+              "2 replicas x 1 thread": ["--data-parallel-size", "2", "--threads", "1"]}
+    out = {}
+    for name, flags in setups.items():
+        with server(flags, logs / f"{name.replace(' ', '_')}.log") as url:
+            run(url, reqs[:8], [0.0] * 8)  # warm-up
+            r = out[name] = run(url, reqs, [0.0] * len(reqs))
+        print(f"{name:<24} {r['throughput']:8.1f} output tok/s  ({r['failed']} failed)",
+              flush=True)
+    base = out["1 process x 1 thread"]["throughput"]
+    dp2 = out["2 replicas x 1 thread"]["throughput"]
+    print(f"2 replicas / 1 thread: x{dp2 / base:.2f}   2 replicas / 2 threads: "
+          f"x{dp2 / out['1 process x 2 threads']['throughput']:.2f}")
+    return out
+
+
+def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    sim_args = SimpleNamespace(seed=args.seed, prompts=args.prompts, prompt_len=args.prompt_len,
+                               requests=args.requests, rate=args.rate)
+    items = trace(sim_args)  # type: ignore[arg-type]
+    # Token ids from the middle of the vocabulary, as the simulator's (1..59) are shifted.
+    reqs = [client.BenchRequest([t + 100 for t in toks], args.out_len) for _, toks in items]
+    at = [t for t, _ in items]
+    setups = {"1 process": ["--threads", "1"],
+              "2 replicas, prefix": ["--data-parallel-size", "2", "--router", "prefix"],
+              "2 replicas, pow2": ["--data-parallel-size", "2", "--router", "pow2"]}
+    out = {}
+    for name, flags in setups.items():
+        with server(flags, logs / f"{name.replace(' ', '_').replace(',', '')}.log") as url:
+            r = run(url, reqs, at)
+            time.sleep(2.5)  # the replicas' next routing stats carry their counters
+            r["hit_rate"] = hit_rate(url)
+            out[name] = r
+        print(f"{name:<20} hit rate {r['hit_rate']:.3f}  TTFT p50 {r['ttft_p50_ms']:7.0f} ms  "
+              f"{r['throughput']:7.1f} tok/s  ({r['failed']} failed)", flush=True)
+    pr, pw, one = out["2 replicas, prefix"], out["2 replicas, pow2"], out["1 process"]
+    print(f"prefix vs one replica: hit rate x{pr['hit_rate'] / max(one['hit_rate'], 1e-9):.2f}; "
+          f"prefix vs pow2: TTFT p50 x{pr['ttft_p50_ms'] / max(pw['ttft_p50_ms'], 1e-9):.2f}")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--part", choices=("throughput", "prefix", "both"), default="both")
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--out-len", type=int, default=16)
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--rate", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "dp_bench_logs"
+    logs.mkdir(exist_ok=True)
+    print(f"load average {os.getloadavg()[0]:.1f}; server logs in {logs}", flush=True)
+    results: dict[str, Any] = {}
+    if args.part in ("throughput", "both"):
+        results["throughput"] = part_throughput(args, logs)
+    if args.part in ("prefix", "both"):
+        results["prefix"] = part_prefix(args, logs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The Ray Serve request router of the LLMServer deployments: `RoutingPolicy` behind Ray's
+public custom-router API (`ray.serve.request_router.RequestRouter`).
+
+Ray runs one router per deployment handle, in the process that holds the handle (here the
+ingress). The request's block hashes are the first argument of `LLMServer.handle_http`; the
+router ranks the candidates with the policy (each replica its own rank, so Ray falls through
+to the next when one is full) and learns from where Ray sent the request. Replicas report what
+their prefix cache holds through `record_routing_stats`; those reports correct the policy's
+view and are kept (in `state.py`) for the ingress's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
+
+from slotserve.ray.state import avoided, model_reports
+from slotserve.routing.policy import PolicyConfig, RouterPolicy, RoutingPolicy
+
+
+def _hashes_of(pending: PendingRequest | None) -> list[bytes]:
+    if pending is None or not pending.args:
+        return []
+    first = pending.args[0]
+    return first if isinstance(first, list) else []
+
+
+class PrefixAwareRouter(RequestRouter):
+    def initialize_state(self, policy: RouterPolicy = "prefix", model: str = "",
+                         imbalanced_threshold: int = 8, load_weight: float = 0.1,
+                         seed: int | None = None, **_: Any) -> None:
+        self._policy = RoutingPolicy(policy, PolicyConfig(
+            imbalanced_threshold=imbalanced_threshold, load_weight=load_weight), seed=seed)
+        self._model = model
+        self._inflight: dict[str, int] = {}
+        self._seen_stats: dict[str, int] = {}
+
+    def _absorb_reports(self, replicas: list[RunningReplica]) -> None:
+        now = time.monotonic()
+        reports = model_reports(self._model)
+        live = {r.replica_id.unique_id for r in replicas}
+        for r in replicas:
+            stats = r.routing_stats
+            rid = r.replica_id.unique_id
+            if stats and id(stats) != self._seen_stats.get(rid):
+                self._seen_stats[rid] = id(stats)
+                self._policy.index.report(rid, stats.get("hashes", ()), now)
+                reports[rid] = stats
+        for rid in [k for k in reports if k not in live]:
+            del reports[rid]
+        self._policy.index.retain(live)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if hasattr(self, "_policy"):  # Ray may list replicas before initialize_state
+            self._absorb_reports(replicas)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        avoid = avoided(self._model, time.monotonic())
+        healthy = [rid for rid in by_id if rid not in avoid]
+        if healthy:  # with none left, the request waits on one of them rather than fail here
+            by_id = {rid: by_id[rid] for rid in healthy}
+        loads = {rid: self._inflight.get(rid, 0) for rid in by_id}
+        ranking = self._policy.rank(_hashes_of(pending_request), list(by_id), loads)
+        return [[by_id[rid]] for rid in ranking]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: ReplicaResult) -> None:
+        rid = replica_id.unique_id
+        self._policy.routed(rid, _hashes_of(pending_request), time.monotonic())
+        self._inflight[rid] = self._inflight.get(rid, 0) + 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = replica_id.unique_id
+        self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)

@@ -1,0 +1,30 @@
+"""What the routers and the ingress of one process share: the replicas' last reports (for
+`/metrics`) and the replicas to avoid. A module of its own because Ray pickles a custom
+router's module by value (`RequestRouterConfig`), so state kept there would be a copy."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# model -> replica id -> its last routing stats.
+_REPORTS: dict[str, dict[str, dict[str, Any]]] = {}
+# model -> replica id -> until when no request goes there (its engine died; Serve replaces it).
+_AVOID: dict[str, dict[str, float]] = {}
+AVOID_S = 60.0
+
+
+def replica_reports() -> dict[str, dict[str, dict[str, Any]]]:
+    return _REPORTS
+
+
+def model_reports(model: str) -> dict[str, dict[str, Any]]:
+    return _REPORTS.setdefault(model, {})
+
+
+def avoid_replica(model: str, replica_id: str) -> None:
+    _AVOID.setdefault(model, {})[replica_id] = time.monotonic() + AVOID_S
+
+
+def avoided(model: str, now: float) -> set[str]:
+    return {rid for rid, until in _AVOID.get(model, {}).items() if until > now}

@@ -1,0 +1,1 @@
+"""Request routing across engine replicas (pure Python; no Ray)."""
