@@ -14,42 +14,41 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.entrypoints.conftest import API_KEY, MAX_NUM_SEQS, MODEL_NAME, Served
 
 TIMEOUT_S = 30
 
 
-def _browser_or_skip() -> tuple[str, str]:
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium and driver:
-        return chromium, driver
-    reason = "needs Debian's chromium and chromium-driver (apt-get install chromium " \
-             "chromium-driver)"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+if not (CHROMIUM and CHROMEDRIVER):
+    _REASON = ("needs Debian's chromium and chromium-driver (apt-get install chromium "
+               "chromium-driver)")
     if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the browser tests: {reason}")
-    pytest.skip(reason)
+        pytest.fail(f"CI must run the browser tests: {_REASON}", pytrace=False)
+    pytest.skip(_REASON, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    chromium, driver_path = _browser_or_skip()
-    pytest.importorskip("selenium")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     options = webdriver.ChromeOptions()
-    options.binary_location = chromium
+    options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1100,760", "--disable-extensions", "--no-first-run"):
+                "--window-size=1100,900", "--disable-extensions", "--no-first-run"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(driver_path))
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
     driver.set_page_load_timeout(TIMEOUT_S)
     try:
         yield driver
@@ -58,15 +57,11 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(driver: Any, condition: Any, what: str, timeout: float = TIMEOUT_S) -> Any:
-    from selenium.webdriver.support.ui import WebDriverWait
-
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(
         lambda d: condition(d), message=what)
 
 
 def _css(driver: Any, selector: str) -> list[Any]:
-    from selenium.webdriver.common.by import By
-
     return list(driver.find_elements(By.CSS_SELECTOR, selector))
 
 
@@ -114,15 +109,35 @@ def _reply_done(driver: Any) -> Any:
                  and _one(d, "#send").is_enabled(), "the reply to end")
 
 
-def test_chat_streams_and_the_engine_view_follows(browser: Any, served: Served,
+def _background_load(url: str) -> list[threading.Thread]:
+    """Two other clients' requests, so the view has more than the page's own to show."""
+
+    def complete(user: str) -> None:
+        httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": "Now is the winter of our discontent", "n": 2,
+            "max_tokens": 250, "ignore_eos": True, "user": user})
+
+    threads = [threading.Thread(target=complete, args=(u,)) for u in ("alice", "bob")]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_chat_streams_and_the_engine_view_follows(browser: Any, drained: Served,
                                                   tmp_path: Path) -> None:
-    d = browser
+    d, served = browser, drained
     d.get(served.url + "/")
     _wait(d, lambda d: [o.text for o in _css(d, "#model option")] == [MODEL_NAME],
           "the model picker to fill from /v1/models")
     _wait(d, lambda d: len(_slots(d)) == MAX_NUM_SEQS, "the slot table")
     assert not _severe_logs(d)
 
+    # Other clients first, so the chart has a few seconds of history in the picture.
+    others = _background_load(served.url)
+    _one(d, "#tab-engine").click()
+    _wait(d, lambda d: d.execute_script("return samples.filter(s => s.toks > 0).length") >= 3,
+          "the chart's first samples")
+    _one(d, "#tab-chat").click()
     # A long reply: the tiny model ends a chat turn after a line unless told to ignore EOS.
     _one(d, "#settings summary").click()
     _one(d, "#ignore_eos").click()
@@ -130,24 +145,29 @@ def test_chat_streams_and_the_engine_view_follows(browser: Any, served: Served,
     _set(d, "#temperature", "0")
     _set(d, "#system", "You are a poet.")
     _send(d, "To be, or not")
-    streamed = _wait(d, lambda d: len(_last_reply(d).find_element("css selector", ".text")
+    streamed = _wait(d, lambda d: len(_last_reply(d).find_element(By.CSS_SELECTOR, ".text")
                                       .text) > 5 and _one(d, "#stop").is_enabled() and
                      _last_reply(d).text, "the first tokens of the reply")
     _one(d, "#tab-engine").click()
-    running = _wait(d, lambda d: [s for s in _slots(d) if s[1] == "running"],
-                    "a running slot while the reply streams")
-    assert len(running) == 1 and "tok" in running[0][2]
+    mine = _wait(d, lambda d: [s for s in _slots(d) if s[1] == "running"
+                               and "this chat" in s[2]],
+                 "this chat's slot running while its reply streams")
+    assert len(mine) == 1 and "chatcmpl-" in mine[0][2] and "tok" in mine[0][2]
     assert _one(d, "#stop").is_enabled()  # still streaming when the view showed it
+    _wait(d, lambda d: _one(d, "#clients tbody").text.count("user:") == 2,
+          "the other clients' admission rows")
     _shot(d, tmp_path, "webui-engine.png")
     _reply_done(d)
+    for t in others:
+        t.join(60)
     _wait(d, lambda d: all(s[1] == "free" for s in _slots(d)), "every slot free after it")
-    assert "last:" in _slots(d)[running[0][0]][2]
+    assert "last: chatcmpl-" in _slots(d)[mine[0][0]][2]
     assert int(_one(d, "#m-slots").text.split(" / ")[0]) == 0
 
     _one(d, "#tab-chat").click()
     reply = _last_reply(d)
-    stats = reply.find_element("css selector", ".reply-stats").text
-    text = reply.find_element("css selector", ".text").text
+    stats = reply.find_element(By.CSS_SELECTOR, ".reply-stats").text
+    text = reply.find_element(By.CSS_SELECTOR, ".text").text
     assert len(text) > len(streamed) - 50 and "tok/s" in stats
     assert int(stats.split(" tokens")[0]) > 0
     stored = json.loads(d.execute_script(
@@ -166,11 +186,33 @@ def test_chat_streams_and_the_engine_view_follows(browser: Any, served: Served,
     _send(d, "Who are you?")
     _reply_done(d)
     reply = _last_reply(d)
-    value = json.loads(reply.find_element("css selector", ".text").text)
+    value = json.loads(reply.find_element(By.CSS_SELECTOR, ".text").text)
     assert set(value) == {"name", "mood"} and value["mood"] in ("merry", "sad")
-    assert "valid JSON" in reply.find_element("css selector", ".reply-stats").text
+    assert "valid JSON" in reply.find_element(By.CSS_SELECTOR, ".reply-stats").text
     _one(d, "#settings summary").click()  # folded, for the picture
     _shot(d, tmp_path, "webui-chat.png")
+    assert not _severe_logs(d)
+
+
+def test_stop_ends_the_reply_and_frees_its_slot(browser: Any, drained: Served) -> None:
+    d = browser
+    d.get(drained.url + "/")
+    _wait(d, lambda d: [o.text for o in _css(d, "#model option")] == [MODEL_NAME], "models")
+    _one(d, "#settings summary").click()
+    _one(d, "#ignore_eos").click()
+    _set(d, "#max_tokens", "480")
+    _one(d, "#new-chat").click()  # (the last test's conversation would not fit 480 more)
+    assert not _css(d, "#messages .msg")
+    _send(d, "Stop me")
+    _wait(d, lambda d: len(_last_reply(d).find_element(By.CSS_SELECTOR, ".text").text) > 20,
+          "the first tokens")
+    _one(d, "#stop").click()
+    _reply_done(d)
+    stats = _last_reply(d).find_element(By.CSS_SELECTOR, ".reply-stats").text
+    assert "stopped" in stats and int(stats.split(" tokens")[0].lstrip("~")) < 480
+    _one(d, "#tab-engine").click()
+    _wait(d, lambda d: len(_slots(d)) == MAX_NUM_SEQS
+          and all(s[1] == "free" for s in _slots(d)), "the slot freed")
     assert not _severe_logs(d)
 
 
@@ -181,8 +223,8 @@ def test_phone_width_and_the_api_key(browser: Any, served: Served) -> None:
         d.get(served.key_url + "/")
         dialog = _wait(d, lambda d: [x for x in _css(d, "#keydlg") if x.is_displayed()],
                        "the page to ask for the key")[0]
-        dialog.find_element("css selector", "#key").send_keys(API_KEY)
-        dialog.find_element("css selector", "#key-ok").click()
+        dialog.find_element(By.CSS_SELECTOR, "#key").send_keys(API_KEY)
+        dialog.find_element(By.CSS_SELECTOR, "#key-ok").click()
         _wait(d, lambda d: [o.text for o in _css(d, "#model option")] == [MODEL_NAME],
               "the models, with the key")
         _one(d, "#tab-engine").click()
@@ -197,4 +239,4 @@ def test_phone_width_and_the_api_key(browser: Any, served: Served) -> None:
         assert not [x for x in _css(d, "#keydlg") if x.is_displayed()]
         assert not _severe_logs(d)
     finally:
-        d.set_window_size(1100, 760)
+        d.set_window_size(1100, 900)

@@ -8,6 +8,7 @@ const KEY_STORE = "slotserve.apiKey";
 const CONV_STORE = "slotserve.conversations";
 const POLL_MS = 1000;
 const HISTORY = 300;  // samples kept for the chart: five minutes at one a second
+const MIN_SPAN = 30;  // the chart spans at least this many samples while history is short
 
 const needsKey = document.querySelector('meta[name="slotserve-auth"]').content === "key";
 let apiKey = sessionStorage.getItem(KEY_STORE) || "";
@@ -135,6 +136,7 @@ function renderMessages() {
 // ----- chat ---------------------------------------------------------------------------------
 
 let controller = null;
+let replyId = null;  // the response id of the reply streaming now: its slot is marked
 
 function requestBody(messages) {
   const system = $("#system").value.trim();
@@ -225,6 +227,7 @@ async function send(text) {
     for await (const ev of sseEvents(r)) {
       if (ev.error) throw new Error(ev.error.message);
       if (ev.usage) usage = ev.usage;
+      if (ev.id) replyId = ev.id;
       const delta = ev.choices && ev.choices[0] && ev.choices[0].delta;
       if (delta && delta.content) {
         if (!tFirst) tFirst = performance.now();
@@ -242,6 +245,7 @@ async function send(text) {
     "response_format" in body, reply.content) + (error ? " \u00b7 error" : "") +
     (controller.signal.aborted ? " \u00b7 stopped" : "");
   controller = null;
+  replyId = null;
   node.classList.remove("streaming");
   node.append(el("div", "reply-stats", reply.stats));
   $("#send").disabled = false;
@@ -264,6 +268,11 @@ function renderSlots(state) {
     cell.dataset.index = s.index;
     cell.append(el("b", "", "#" + s.index), el("span", "st", s.status));
     if (s.request_id) {
+      // The engine runs a chat reply under its response id (choice i of n > 1: "i_" + id).
+      if (replyId && (s.request_id === replyId || s.request_id.endsWith("_" + replyId))) {
+        cell.classList.add("mine");
+        cell.append(el("span", "you", "this chat"));
+      }
       cell.append(el("span", "rid", s.request_id));
       cell.title = s.request_id;
       if (s.num_tokens !== null) cell.append(el("span", "tok", s.num_tokens + " tok"));
@@ -322,18 +331,20 @@ async function poll() {
     polling = false;
   }
   showError("#engine-error", "");
-  let toks = 0;
-  if (prev && state.time > prev.time) {
-    toks = (state.generation_tokens_total - prev.generation_tokens_total) /
-      (state.time - prev.time);
+  // A sample per second or more: an extra poll (the tab opened) is drawn but not charted,
+  // so the rate is never taken over a few milliseconds.
+  if (!prev || state.time - prev.time >= 0.5) {
+    const dt = prev ? state.time - prev.time : 0;
+    samples.push({
+      t: state.time,
+      toks: dt ? (state.generation_tokens_total - prev.generation_tokens_total) / dt : 0,
+      kv: state.num_blocks_used / Math.max(1, state.num_blocks),
+      pre: prev ? state.num_preemptions - prev.num_preemptions : 0,
+    });
+    if (samples.length > HISTORY) samples.shift();
+    prev = state;
   }
-  samples.push({
-    t: state.time, toks, kv: state.num_blocks_used / Math.max(1, state.num_blocks),
-    pre: prev ? state.num_preemptions - prev.num_preemptions : 0,
-  });
-  if (samples.length > HISTORY) samples.shift();
-  prev = state;
-  renderEngine(state, toks);
+  renderEngine(state, samples[samples.length - 1].toks);
 }
 
 function drawChart() {
@@ -348,7 +359,8 @@ function drawChart() {
   g.clearRect(0, 0, w, h);
   const pad = 28, right = w - 34, bottom = h - 18;
   const maxToks = Math.max(10, ...samples.map((s) => s.toks));
-  const x = (i) => pad + (right - pad) * (i + HISTORY - samples.length) / (HISTORY - 1);
+  const span = Math.max(MIN_SPAN, samples.length);
+  const x = (i) => pad + (right - pad) * (i + span - samples.length) / (span - 1);
   g.strokeStyle = "#ccc";
   g.fillStyle = "#666";
   g.font = "11px sans-serif";
@@ -356,7 +368,7 @@ function drawChart() {
   g.fillText(maxToks.toFixed(0), 2, 14);
   g.fillText("0", 2, bottom);
   g.fillText("100%", right + 3, 14);
-  g.fillText(`-${HISTORY / 60} min`, pad, h - 4);
+  g.fillText(span >= 120 ? `-${Math.round(span / 60)} min` : `-${span} s`, pad, h - 4);
   g.fillText("now", right - 20, h - 4);
   samples.forEach((s, i) => {  // preemptions: a red tick for each second that had any
     if (!s.pre) return;
