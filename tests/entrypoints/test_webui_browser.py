@@ -218,7 +218,9 @@ def test_stop_ends_the_reply_and_frees_its_slot(browser: Any, drained: Served) -
 
 def test_phone_width_and_the_api_key(browser: Any, served: Served) -> None:
     d = browser
-    d.set_window_size(390, 800)
+    # A phone's viewport (a headless window is never narrower than 500 px).
+    d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                      {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": True})
     try:
         d.get(served.key_url + "/")
         dialog = _wait(d, lambda d: [x for x in _css(d, "#keydlg") if x.is_displayed()],
@@ -231,6 +233,10 @@ def test_phone_width_and_the_api_key(browser: Any, served: Served) -> None:
         _wait(d, lambda d: len(_slots(d)) == MAX_NUM_SEQS, "the slot table")
         assert d.execute_script("return sessionStorage.getItem('slotserve.apiKey')") == API_KEY
         # Nothing wider than the phone's screen.
+        assert d.execute_script("return window.innerWidth") == 390
+        assert d.execute_script(
+            "return document.documentElement.scrollWidth <= window.innerWidth")
+        _one(d, "#tab-chat").click()
         assert d.execute_script(
             "return document.documentElement.scrollWidth <= window.innerWidth")
         d.refresh()  # kept for the tab: not asked again
@@ -239,4 +245,4 @@ def test_phone_width_and_the_api_key(browser: Any, served: Served) -> None:
         assert not [x for x in _css(d, "#keydlg") if x.is_displayed()]
         assert not _severe_logs(d)
     finally:
-        d.set_window_size(1100, 900)
+        d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

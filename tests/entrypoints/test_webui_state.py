@@ -7,6 +7,9 @@ only, and the state crosses the process boundary in the server's default engine 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -206,3 +209,37 @@ def test_state_from_an_engine_process(served_process: Served) -> None:
     assert state["object"] == "engine.state" and state["max_num_seqs"] == MAX_NUM_SEQS
     assert {s["status"] for s in state["slots"]} == {"free"}
     assert state["num_blocks_used"] == 0 and state["num_waiting_for_grammar"] == 0
+
+
+def test_serve_no_webui(tmp_path: Any) -> None:
+    """`slotserve serve --no-webui`: no page (its paths need the key like any other), the
+    state still served."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--no-webui",
+         "--port", str(port), "--engine-mode", "thread", "--threads", "1", "--device", "cpu",
+         "--max-num-seqs", "2", "--num-blocks", "32", "--api-key", API_KEY,
+         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/").status_code == 401
+        assert httpx.get(f"{url}/", headers=AUTH).status_code == 404
+        assert httpx.get(f"{url}/webui/app.js", headers=AUTH).status_code == 404
+        state = httpx.get(f"{url}/v1/engine/state", headers=AUTH).json()
+        assert state["max_num_seqs"] == 2 and state["num_blocks"] == 31
+    finally:
+        proc.terminate()
+        proc.wait(30)
