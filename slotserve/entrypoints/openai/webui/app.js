@@ -130,7 +130,9 @@ function messageNode(m) {
 }
 
 function renderMessages() {
-  $("#messages").replaceChildren(...current.messages.map(messageNode));
+  const box = $("#messages");
+  box.replaceChildren(...current.messages.map(messageNode));
+  if (box.lastElementChild) box.lastElementChild.scrollIntoView({ block: "end" });
 }
 
 // ----- chat ---------------------------------------------------------------------------------
@@ -212,9 +214,9 @@ async function send(text) {
   saveConvs();
   renderConvs();
   renderMessages();
-  const node = $("#messages").lastElementChild;
-  const textNode = node.querySelector(".text");
-  node.classList.add("streaming");
+  $("#messages").lastElementChild.classList.add("streaming");
+  // The reply's node, while its conversation is the one shown (another may be opened).
+  const node = () => (current === conv ? $("#messages").lastElementChild : null);
   controller = new AbortController();
   $("#send").disabled = true;
   $("#stop").disabled = false;
@@ -233,8 +235,11 @@ async function send(text) {
         if (!tFirst) tFirst = performance.now();
         chunks += 1;
         reply.content += delta.content;
-        textNode.textContent = reply.content;
-        node.scrollIntoView({ block: "end" });
+        const n = node();
+        if (n) {
+          n.querySelector(".text").textContent = reply.content;
+          n.scrollIntoView({ block: "end" });
+        }
       }
     }
   } catch (e) {
@@ -246,8 +251,7 @@ async function send(text) {
     (controller.signal.aborted ? " \u00b7 stopped" : "");
   controller = null;
   replyId = null;
-  node.classList.remove("streaming");
-  node.append(el("div", "reply-stats", reply.stats));
+  if (node()) renderMessages();
   $("#send").disabled = false;
   $("#stop").disabled = true;
   showError("#chat-error", error);
