@@ -35,7 +35,10 @@ class SlotState:
 @dataclass(slots=True)
 class EngineState:
     num_steps: int
-    slots: list[SlotState]
+    max_num_seqs: int
+    # The held slots only, by index (the rest are free): a poll of an idle 256-slot engine
+    # pickles next to nothing.
+    held_slots: list[SlotState]
     block_size: int
     # Usable KV blocks = used (some request holds it) + cached (free, but keeps a prefix-cache
     # entry a later request may hit) + free (empty).
@@ -71,20 +74,17 @@ def _slot_status(scheduler: Scheduler, request_id: str) -> tuple[SlotStatus, int
 
 def snapshot_engine_state(scheduler: Scheduler, worker_slots: RequestSlots, num_steps: int,
                           num_waiting_for_grammar: int) -> EngineState:
-    slots = []
-    for index in range(worker_slots.max_num_reqs):
-        rid = worker_slots.index_to_req_id.get(index)
-        if rid is None:
-            slots.append(SlotState(index, "free"))
-            continue
+    held = []
+    for index, rid in sorted(worker_slots.index_to_req_id.items()):
         status, num_tokens, num_output = _slot_status(scheduler, rid)
-        slots.append(SlotState(index, status, rid, num_tokens, num_output))
+        held.append(SlotState(index, status, rid, num_tokens, num_output))
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     free = pool.get_num_free_blocks()
     cached = sum(1 for b in pool.cached_block_hash_to_block.values() if b.ref_cnt == 0)
     return EngineState(
-        num_steps=num_steps, slots=slots, block_size=kv.block_size,
+        num_steps=num_steps, max_num_seqs=worker_slots.max_num_reqs, held_slots=held,
+        block_size=kv.block_size,
         num_blocks=pool.num_usable_blocks, num_blocks_used=pool.num_usable_blocks - free,
         num_blocks_cached=cached, num_blocks_free=free - cached,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),

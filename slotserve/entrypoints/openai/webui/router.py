@@ -19,6 +19,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from slotserve.engine.core import EngineCore
+from slotserve.engine.engine_state import SlotState
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.admission import AdmissionController
 from slotserve.entrypoints.openai.errors import engine_dead
@@ -96,11 +97,14 @@ def engine_state_router(engine: AsyncLLM, admission: AdmissionController) -> API
             return engine_dead(503).response()
         core = await engine.call_in_engine(EngineCore.get_engine_state)
         front = engine.engine.output_processor
+        held = {s.index: s for s in core.held_slots}
+        slots = [asdict(held.get(i) or SlotState(i, "free")) for i in range(core.max_num_seqs)]
+        fields = {k: v for k, v in asdict(core).items() if k != "held_slots"}
         return JSONResponse({
             "object": "engine.state",
             "time": time.time(),
-            "max_num_seqs": len(core.slots),
-            **asdict(core),
+            **fields,
+            "slots": slots,
             "prompt_tokens_total": front.num_prompt_tokens_total,
             "generation_tokens_total": front.num_generation_tokens_total,
             "admission": admission_view(admission),
