@@ -9,9 +9,9 @@ other path.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
@@ -88,6 +88,15 @@ def admission_view(admission: AdmissionController) -> dict[str, Any]:
     }
 
 
+def _slot_json(slot: SlotState | None, index: int) -> dict[str, Any]:
+    # By hand, not dataclasses.asdict (which deep-copies): 256 of these per poll.
+    if slot is None:
+        return {"index": index, "status": "free", "request_id": None, "num_tokens": None,
+                "num_output_tokens": None}
+    return {"index": index, "status": slot.status, "request_id": slot.request_id,
+            "num_tokens": slot.num_tokens, "num_output_tokens": slot.num_output_tokens}
+
+
 def engine_state_router(engine: AsyncLLM, admission: AdmissionController) -> APIRouter:
     router = APIRouter()
 
@@ -98,8 +107,9 @@ def engine_state_router(engine: AsyncLLM, admission: AdmissionController) -> API
         core = await engine.call_in_engine(EngineCore.get_engine_state)
         front = engine.engine.output_processor
         held = {s.index: s for s in core.held_slots}
-        slots = [asdict(held.get(i) or SlotState(i, "free")) for i in range(core.max_num_seqs)]
-        fields = {k: v for k, v in asdict(core).items() if k != "held_slots"}
+        slots = [_slot_json(held.get(i), i) for i in range(core.max_num_seqs)]
+        fields = {f.name: getattr(core, f.name) for f in dataclasses.fields(core)
+                  if f.name != "held_slots"}
         return JSONResponse({
             "object": "engine.state",
             "time": time.time(),
