@@ -1,6 +1,6 @@
 """What the tests share (fixtures live in the conftest.py files): scheduler harnesses, a fake
 model runner, a hand-driven scheduler for worker tests, tiny random checkpoints, a test
-tokenizer, and reading /metrics.
+tokenizer, reading /metrics, and `slotserve serve` in a child process.
 
 The reference model of the worker's slot table is the invariant checker's own
 (`InvariantChecker.holders`); the real table is `slotserve.worker.slots.RequestSlots`.
@@ -9,8 +9,13 @@ The reference model of the worker's slot table is the invariant checker's own
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -476,3 +481,37 @@ def build_bigram_model(folder: Path, tokenizer: Any, chains: list[list[int]],
         hf.lm_head.weight.copy_(head)
     hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+@contextmanager
+def cli_server(args: list[str], timeout_s: float = 180.0) -> Iterator[str]:
+    """`slotserve serve ARGS` on a free port, started as a user starts it: its base URL once
+    /health answers 200; terminated afterwards."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
+         *args], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"no /health 200 in {timeout_s:g} s"
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)

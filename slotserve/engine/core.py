@@ -27,6 +27,7 @@ from slotserve.core.outputs import (
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.args import EngineArgs
+from slotserve.engine.engine_state import EngineState, snapshot_engine_state
 from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, portable
 from slotserve.memory import resident_bytes
@@ -205,6 +206,11 @@ class EngineCore:
             stats.num_grammar_mask_rows = g.num_mask_rows
             stats.grammar_mask_fill_s, stats.grammar_mask_wait_s = g.mask_fill_s, g.mask_wait_s
         return stats
+
+    def get_engine_state(self) -> EngineState:
+        """Who holds each worker slot and KV block now (ids and counts, never text)."""
+        return snapshot_engine_state(self.scheduler, self.model_runner.slots, self.num_steps,
+                                     len(self.waiting_for_grammar))
 
     # ----- the step ---------------------------------------------------------------------------
 

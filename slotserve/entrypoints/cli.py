@@ -171,6 +171,8 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--admin-api-key", default=os.environ.get("SLOTSERVE_ADMIN_API_KEY"),
                    help="the key of the admin endpoints (default: $SLOTSERVE_ADMIN_API_KEY, "
                         "else --api-key)")
+    p.add_argument("--no-webui", action="store_true",
+                   help="do not serve the web page at / (GET /v1/engine/state stays)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model as given)")
     lim = p.add_argument_group("limits (README: Limits)")
@@ -268,7 +270,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = build_app(engine, served_model_names=[name], api_key=args.api_key, limits=limits,
                     enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, webui=not args.no_webui)
     logger.info("serving %s (max_model_len %d, %d torch threads, engine core in a %s) on "
                 "http://%s:%d%s", name, engine.max_model_len, threads, args.engine_mode,
                 args.host, args.port, " with an API key" if args.api_key else "")

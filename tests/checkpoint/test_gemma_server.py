@@ -4,22 +4,16 @@ template), streaming of both."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from tests.checkpoint.gemma_file import gemma_path
+from tests.helpers import cli_server
 
 pytestmark = pytest.mark.gemma
-REPO = Path(__file__).resolve().parents[2]
 NAME = "gemma-3-270m"
 # What the model continues this prompt with, greedily (transformers gives the same tokens:
 # test_gemma_proof.py).
@@ -29,33 +23,10 @@ CONTINUATION = " the capital of the country of France. It is the largest city in
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[OpenAI]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--model",
-           str(gemma_path()), "--port", str(port), "--threads", "1", "--served-model-name",
-           NAME, "--max-model-len", "1024", "--kv-cache-memory", str(256 << 20), "--check",
-           "--log-level", "warning"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "no /health 200 in 180 s"
-            time.sleep(0.2)
+    with cli_server(["--model", str(gemma_path()), "--threads", "1", "--served-model-name",
+                     NAME, "--max-model-len", "1024", "--kv-cache-memory", str(256 << 20),
+                     "--check", "--log-level", "warning"]) as base:
         yield OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_completion_and_stream(client: OpenAI) -> None:

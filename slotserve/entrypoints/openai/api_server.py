@@ -50,6 +50,11 @@ from slotserve.entrypoints.openai.serving_chat import OpenAIServingChat, render_
 from slotserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from slotserve.entrypoints.openai.serving_engine import json_response
 from slotserve.entrypoints.openai.sessions import OpenAIServingSessions
+from slotserve.entrypoints.openai.webui.router import (
+    PUBLIC_PATHS,
+    engine_state_router,
+    webui_router,
+)
 from slotserve.errors import ConfigError
 from slotserve.metrics import ServerMetrics
 
@@ -82,17 +87,18 @@ def key_matches(scope: Scope, key: str) -> bool:
 
 
 class APIKeyMiddleware:
-    """Every path but /health (and the admin paths, which check their own key) needs
-    `Authorization: Bearer KEY` (HTTP and WebSocket)."""
+    """Every path but /health, the web page's files (`public_paths`) and the admin paths
+    (which check their own key) needs `Authorization: Bearer KEY` (HTTP and WebSocket)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str,
+                 public_paths: frozenset[str] = frozenset()) -> None:
         self.app = app
         self._key = api_key
+        self._public = public_paths | {"/health"} | ADMIN_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
-        if (scope["type"] not in ("http", "websocket") or path == "/health"
-                or path in ADMIN_PATHS):
+        if scope["type"] not in ("http", "websocket") or path in self._public:
             await self.app(scope, receive, send)
             return
         if key_matches(scope, self._key):
@@ -164,11 +170,12 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
               api_key: str | None = None, metrics: ServerMetrics | None = None,
               limits: ServerLimits | None = None, enable_admin: bool = False,
               admin_api_key: str | None = None, shutdown_engine: bool = True,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, webui: bool = True) -> FastAPI:
     """The app. `api_key` and `admin_api_key` must not be empty strings (an empty key would
     read as no key: the caller refuses it); the admin endpoints need one of them.
     `tool_call_parser` names the tool-call format (hermes, llama3_json) when the chat
-    template does not show one."""
+    template does not show one. `webui`: serve the web page at `/` (its files need no key;
+    the `/v1/engine/state` it polls is there either way)."""
     if api_key == "" or admin_api_key == "":
         raise ConfigError("an API key must not be empty")
     admin_key = admin_api_key or api_key
@@ -194,7 +201,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     app = FastAPI(title="slotserve", version=slotserve_version(), lifespan=lifespan)
     install_exception_handlers(app)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           public_paths=PUBLIC_PATHS if webui else frozenset())
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.admission = admission
@@ -257,6 +265,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
             metrics.stats = await engine.get_stats()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(engine_state_router(engine, admission))
+    if webui:
+        app.include_router(webui_router(needs_key=api_key is not None))
     if enable_admin:
         assert admin_key is not None
         _add_admin_routes(app, engine, admin_key)
