@@ -210,7 +210,7 @@ class EngineCore:
     def get_engine_state(self) -> EngineState:
         """Who holds each worker slot and KV block now (ids and counts, never text)."""
         return snapshot_engine_state(self.scheduler, self.model_runner.slots, self.num_steps,
-                                     len(self.waiting_for_grammar))
+                                     len(self.scheduler.waiting_for_grammar))
 
     # ----- the step ---------------------------------------------------------------------------
 
