@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from slotserve.errors import ConfigError
 
@@ -81,7 +81,8 @@ class SchedulerConfig:
                 "without chunked prefill")
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
+KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = get_args(KVCacheDtype)
 
 
 def check_kv_cache_dtype(name: str) -> str:
