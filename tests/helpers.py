@@ -9,11 +9,14 @@ The reference model of the worker's slot table is the invariant checker's own
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import pytest
 
 from slotserve.check import InvariantChecker
 from slotserve.config import CacheConfig, SchedulerConfig
@@ -28,11 +31,61 @@ from slotserve.core.outputs import (
 from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.llm_engine import LLMEngine
+from slotserve.outputs import RequestOutput
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.slots import RequestSlots
 
 if TYPE_CHECKING:  # torch and transformers load only in the tests that build models
     import torch
+
+# ----- bounded waits: a regression fails the test instead of hanging it ----------------------
+
+MAX_STEPS = 10_000
+
+
+def bounded(pending: Callable[[], bool], max_steps: int = MAX_STEPS) -> Iterator[int]:
+    """Yields step numbers while `pending()` holds; fails after max_steps of them."""
+    for step in range(max_steps):
+        if not pending():
+            return
+        yield step
+    raise AssertionError(f"still pending after {max_steps} steps")
+
+
+def engine_steps(engine: Any, max_steps: int = MAX_STEPS) -> Iterator[list[RequestOutput]]:
+    """Each `engine.step()`'s outputs while the engine has unfinished requests, bounded."""
+    for _ in bounded(engine.has_unfinished_requests, max_steps):
+        yield engine.step()
+
+
+def run_engine(engine: Any, max_steps: int = MAX_STEPS) -> list[RequestOutput]:
+    """Steps the engine until nothing is unfinished (bounded); every output, in order."""
+    return [o for outs in engine_steps(engine, max_steps) for o in outs]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str,
+               interval_s: float = 0.05) -> None:
+    """Polls `condition` until it holds; fails with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+# ----- the native kernels --------------------------------------------------------------------
+
+def require_compiler(what: str) -> None:
+    """Skips (visibly) where no C compiler can build `what`; under CI (CI=true), whose images
+    have one, fails instead, so the native paths are never skipped there."""
+    from slotserve.models.native_build import find_compiler
+
+    if find_compiler() is not None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and no C compiler: {what} cannot be built")
+    pytest.skip(f"no C compiler: {what} cannot be built")
+
 
 # ----- the scheduler, driven by hand ---------------------------------------------------------
 
@@ -100,9 +153,9 @@ class Harness:
         return out, self.sched.update_from_output(out, sample_for(self.sched, out, token),
                                                   now=time.monotonic())
 
-    def run_until_idle(self, token: int = 42, max_steps: int = 10_000) -> int:
+    def run_until_idle(self, token: int = 42, max_steps: int = MAX_STEPS) -> int:
         steps = 0
-        while self.sched.has_requests() and steps < max_steps:
+        for _ in bounded(self.sched.has_requests, max_steps):
             self.step(token)
             steps += 1
         return steps
@@ -297,10 +350,8 @@ class ManualScheduler:
     def has_unfinished(self) -> bool:
         return any(not r.done for r in self.requests.values())
 
-    def run(self, runner, chunk: int | None = None, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if not self.has_unfinished():
-                break
+    def run(self, runner, chunk: int | None = None, max_steps: int = MAX_STEPS) -> None:
+        for _ in bounded(self.has_unfinished, max_steps):
             self.update(runner.execute_model(self.schedule(chunk)))
         # Deliver the last releases, in a step that schedules nothing.
         runner.execute_model(self.schedule(chunk))
