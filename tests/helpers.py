@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +74,51 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+# ----- a real `slotserve serve` process --------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_process(*args: str, startup_s: float = 180.0
+                  ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`slotserve serve ARGS` on a free port, once /health answers: (process, base URL).
+    Its stderr goes to a pipe (read it after it exited); it is killed if still running when
+    the block ends."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
+         *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, startup_s, "the server's /health", interval_s=0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 # ----- the native kernels --------------------------------------------------------------------
