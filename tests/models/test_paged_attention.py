@@ -38,12 +38,15 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, scale: 
 
 
 def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_heads: int,
-             head_dim: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+             head_dim: int, seed: int = 0, device: torch.device = CPU
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One mixed step through the attention layer on `device`: its outputs (on the CPU) and
+    the dense references."""
     gen = torch.Generator().manual_seed(seed)
     lens = [nc + n for nc, n in STEP]
     num_blocks = 1 + sum(math.ceil(n / block_size) for n in lens) + 5
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    k_cache, v_cache = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     table = np.zeros((len(STEP), 16), dtype=np.int64)
     queries, keys, values, slot_mapping, refs = [], [], [], [], []
@@ -56,26 +59,27 @@ def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_h
         q = torch.randn(n, heads, head_dim, generator=gen)
         pos = np.arange(length)
         slots = table[r, pos // block_size] * block_size + pos % block_size
-        k_cache.view(-1, kv_heads, head_dim)[slots[:nc]] = k[:nc]  # the cached prefix
-        v_cache.view(-1, kv_heads, head_dim)[slots[:nc]] = v[:nc]
+        cached = torch.from_numpy(slots[:nc]).to(device)  # the cached prefix
+        k_cache.view(-1, kv_heads, head_dim)[cached] = k[:nc].to(device)
+        v_cache.view(-1, kv_heads, head_dim)[cached] = v[:nc].to(device)
         queries.append(q)
         keys.append(k[nc:])
         values.append(v[nc:])
         slot_mapping.append(torch.from_numpy(slots[nc:]))
         refs.append(dense(q, k, v, nc, scale, window))
     backend = AttentionBackend(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                               windows=[None, window], dtype=torch.float32, device=CPU,
+                               windows=[None, window], dtype=torch.float32, device=device,
                                native=native)
     assert backend.native == native
     layout = BatchLayout(
         block_table=table, slots=np.arange(len(STEP)),
         q_lens=np.array([n for _, n in STEP]), num_computed=np.array([nc for nc, _ in STEP]),
         num_decodes=sum(n == 1 for _, n in STEP), block_size=block_size,
-        slot_mapping=torch.cat(slot_mapping))
+        slot_mapping=torch.cat(slot_mapping).to(device))
     meta = backend.build(layout)[window]
-    out = paged_attention(torch.cat(queries), torch.cat(keys), torch.cat(values),
-                          (k_cache, v_cache), meta, scale)
-    got = list(out.split([n for _, n in STEP]))
+    out = paged_attention(torch.cat(queries).to(device), torch.cat(keys).to(device),
+                          torch.cat(values).to(device), (k_cache, v_cache), meta, scale)
+    got = list(out.cpu().split([n for _, n in STEP]))
     return got, refs
 
 
