@@ -25,15 +25,20 @@ LIMITS = ServerLimits(timeout_keep_alive_s=0.5, timeout_request_read_s=0.5, max_
                       max_ws_message_bytes=4096)
 
 
-@pytest.fixture(scope="module")
-def guarded(served: Served) -> Iterator[str]:
-    app = build_app(served.engine, served_model_names=[MODEL_NAME], limits=LIMITS,
+def _front(served: Served, limits: ServerLimits) -> Iterator[str]:
+    """A server with these limits in front of the shared engine."""
+    app = build_app(served.engine, served_model_names=[MODEL_NAME], limits=limits,
                     shutdown_engine=False)
     server = start_server(served.loop, app)
     try:
         yield server.base_url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded(served: Served) -> Iterator[str]:
+    yield from _front(served, LIMITS)
 
 
 # For the connection cap: idle sockets must stay open through the test on a loaded machine
@@ -43,13 +48,7 @@ CAP_LIMITS = ServerLimits(timeout_keep_alive_s=30, timeout_request_read_s=30, ma
 
 @pytest.fixture(scope="module")
 def capped(served: Served) -> Iterator[str]:
-    app = build_app(served.engine, served_model_names=[MODEL_NAME], limits=CAP_LIMITS,
-                    shutdown_engine=False)
-    server = start_server(served.loop, app)
-    try:
-        yield server.base_url
-    finally:
-        server.stop()
+    yield from _front(served, CAP_LIMITS)
 
 
 def _sock(url: str) -> socket.socket:
