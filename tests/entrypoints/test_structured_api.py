@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, Served
-from tests.structured.schemas import random_schemas
+from tests.structured_output.schemas import random_schemas
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["speaker", "line"],
           "properties": {"speaker": {"enum": ["HAMLET", "OPHELIA", "GHOST"]},

@@ -18,7 +18,7 @@ import pytest
 from slotserve.entrypoints.llm import LLM
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.helpers import bounded
-from tests.structured.schemas import random_schemas
+from tests.structured_output.schemas import random_schemas
 
 MODES: list[dict[str, Any]] = [
     dict(temperature=0.0),
