@@ -1,6 +1,7 @@
-"""What the tests share (fixtures live in the conftest.py files): scheduler harnesses, a fake
-model runner, a hand-driven scheduler for worker tests, tiny random checkpoints, a test
-tokenizer, and reading /metrics.
+"""What the tests share (fixtures live in the conftest.py files): bounded waits, a real
+`slotserve serve` process, the C-compiler requirement of the native kernels, scheduler
+harnesses, a fake model runner, a hand-driven scheduler for worker tests, tiny random
+checkpoints, a test tokenizer, and reading /metrics.
 
 The reference model of the worker's slot table is the invariant checker's own
 (`InvariantChecker.holders`); the real table is `slotserve.worker.slots.RequestSlots`.
@@ -34,7 +35,6 @@ from slotserve.core.outputs import (
 from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.outputs import RequestOutput
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.slots import RequestSlots
 
@@ -53,17 +53,6 @@ def bounded(pending: Callable[[], bool], max_steps: int = MAX_STEPS) -> Iterator
             return
         yield step
     raise AssertionError(f"still pending after {max_steps} steps")
-
-
-def engine_steps(engine: Any, max_steps: int = MAX_STEPS) -> Iterator[list[RequestOutput]]:
-    """Each `engine.step()`'s outputs while the engine has unfinished requests, bounded."""
-    for _ in bounded(engine.has_unfinished_requests, max_steps):
-        yield engine.step()
-
-
-def run_engine(engine: Any, max_steps: int = MAX_STEPS) -> list[RequestOutput]:
-    """Steps the engine until nothing is unfinished (bounded); every output, in order."""
-    return [o for outs in engine_steps(engine, max_steps) for o in outs]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str,
