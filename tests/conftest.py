@@ -115,3 +115,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel
 @pytest.fixture(params=list(TINY_MODELS))
 def tiny_model(request: pytest.FixtureRequest, tiny_models: dict[str, TinyModel]) -> TinyModel:
     return tiny_models[request.param]
+
+
+# The real Gemma file's tests load a 262k-vocabulary model and transformers' reference in
+# module fixtures, which pytest-timeout counts with the first test: 284 s of setup alone on
+# the loaded 2-core machine. They get a longer limit unless they set their own.
+GEMMA_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gemma") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(GEMMA_TIMEOUT_S))

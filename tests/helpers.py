@@ -1,6 +1,7 @@
-"""What the tests share (fixtures live in the conftest.py files): scheduler harnesses, a fake
-model runner, a hand-driven scheduler for worker tests, tiny random checkpoints, a test
-tokenizer, reading /metrics, and `slotserve serve` in a child process.
+"""What the tests share (fixtures live in the conftest.py files): bounded waits, a real
+`slotserve serve` process, the C-compiler requirement of the native kernels, scheduler
+harnesses, a fake model runner, a hand-driven scheduler for worker tests, tiny random
+checkpoints, a test tokenizer, and reading /metrics.
 
 The reference model of the worker's slot table is the invariant checker's own
 (`InvariantChecker.holders`); the real table is `slotserve.worker.slots.RequestSlots`.
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 from slotserve.check import InvariantChecker
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.outputs import (
@@ -38,6 +41,89 @@ from slotserve.worker.slots import RequestSlots
 
 if TYPE_CHECKING:  # torch and transformers load only in the tests that build models
     import torch
+
+# ----- bounded waits: a regression fails the test instead of hanging it ----------------------
+
+MAX_STEPS = 10_000
+
+
+def bounded(pending: Callable[[], bool], max_steps: int = MAX_STEPS) -> Iterator[int]:
+    """Yields step numbers while `pending()` holds; fails after max_steps of them."""
+    for step in range(max_steps):
+        if not pending():
+            return
+        yield step
+    raise AssertionError(f"still pending after {max_steps} steps")
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str,
+               interval_s: float = 0.05) -> None:
+    """Polls `condition` until it holds; fails with `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+# ----- a real `slotserve serve` process --------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_process(*args: str, startup_s: float = 180.0
+                  ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`slotserve serve ARGS` on a free port, once /health answers: (process, base URL).
+    Its stderr goes to a pipe (read it after it exited); it is killed if still running when
+    the block ends."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
+         *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            return httpx.get(f"{base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, startup_s, "the server's /health", interval_s=0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+# ----- the native kernels --------------------------------------------------------------------
+
+def require_compiler(what: str) -> None:
+    """Skips (visibly) where no C compiler can build `what`; under CI (CI=true), whose images
+    have one, fails instead, so the native paths are never skipped there."""
+    from slotserve.models.native_build import find_compiler
+
+    if find_compiler() is not None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and no C compiler: {what} cannot be built")
+    pytest.skip(f"no C compiler: {what} cannot be built")
+
 
 # ----- the scheduler, driven by hand ---------------------------------------------------------
 
@@ -105,9 +191,9 @@ class Harness:
         return out, self.sched.update_from_output(out, sample_for(self.sched, out, token),
                                                   now=time.monotonic())
 
-    def run_until_idle(self, token: int = 42, max_steps: int = 10_000) -> int:
+    def run_until_idle(self, token: int = 42, max_steps: int = MAX_STEPS) -> int:
         steps = 0
-        while self.sched.has_requests() and steps < max_steps:
+        for _ in bounded(self.sched.has_requests, max_steps):
             self.step(token)
             steps += 1
         return steps
@@ -302,10 +388,8 @@ class ManualScheduler:
     def has_unfinished(self) -> bool:
         return any(not r.done for r in self.requests.values())
 
-    def run(self, runner, chunk: int | None = None, max_steps: int = 10_000) -> None:
-        for _ in range(max_steps):
-            if not self.has_unfinished():
-                break
+    def run(self, runner, chunk: int | None = None, max_steps: int = MAX_STEPS) -> None:
+        for _ in bounded(self.has_unfinished, max_steps):
             self.update(runner.execute_model(self.schedule(chunk)))
         # Deliver the last releases, in a step that schedules nothing.
         runner.execute_model(self.schedule(chunk))

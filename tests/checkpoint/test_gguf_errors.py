@@ -3,6 +3,9 @@ offending key or tensor; `slotserve serve` refuses to start with that message.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,12 +13,11 @@ import pytest
 from gguf import GGUFValue, GGUFValueType, GGUFWriter
 
 from slotserve.checkpoint import load_tokenizer, resolve_checkpoint
-from slotserve.entrypoints import cli
 from slotserve.errors import ModelLoadError
 from slotserve.models.loader import load_model
 from tests.checkpoint.conftest import BundledGGUF
 from tests.checkpoint.gguf_convert import Q, to_gguf
-from tests.helpers import build_tiny
+from tests.helpers import REPO, build_tiny
 
 
 @pytest.fixture(scope="module")
@@ -130,18 +132,30 @@ def test_file_without_tokenizer(tmp_path: Path, good: Path) -> None:
         load_tokenizer(good)
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
-def test_server_refuses_to_start(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                 bundled_gguf: BundledGGUF, mode: str) -> None:
-    # Truncated: caught before the engine starts. Missing tensor: caught while the engine
-    # loads the weights (in process mode in the child), reported the same way.
+def test_server_refuses_to_start(tmp_path: Path, bundled_gguf: BundledGGUF) -> None:
+    # Truncated: caught before the engine starts (in either mode). Missing tensor: caught
+    # while the engine loads the weights (in process mode in the child), reported the same
+    # way. The CLI runs
+    # as a user runs it, in a subprocess, with a deadline (side by side: each pays imports).
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(bundled_gguf(Q.Q8_0).read_bytes()[:-100])
     missing = bundled_gguf(Q.Q8_0, "missing.gguf",
                            edit=lambda w: w.tensors[0].pop("blk.0.attn_v.weight"))
-    for path, message in ((cut, "truncated"), (missing, "blk.0.attn_v.weight")):
-        code = cli.main(["serve", "--model", str(path), "--engine-mode", mode, "--threads",
-                         "1", "--port", "1"])
-        err = capsys.readouterr().err
-        assert code == 2
-        assert "error:" in err and str(path) in err and message in err
+    cases = [(cut, "truncated", "process"), (missing, "blk.0.attn_v.weight", "thread"),
+             (missing, "blk.0.attn_v.weight", "process")]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--model", str(path),
+         "--engine-mode", mode, "--threads", "1", "--port", "1"], cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True) for path, _, mode in cases]
+    try:
+        for proc, (path, message, mode) in zip(procs, cases, strict=True):
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 2, (mode, err[-3000:])
+            assert "error:" in err and str(path) in err and message in err, (mode, err[-3000:])
+            assert "Traceback" not in err, (mode, err[-3000:])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

@@ -17,7 +17,7 @@ from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
 from slotserve.errors import ConfigError, InvariantViolation
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import make_request, make_scheduler, sample_for
+from tests.helpers import bounded, make_request, make_scheduler, sample_for
 
 STOP = 7
 IDLE = RequestStatus.WAITING_FOR_STREAMING_REQ
@@ -76,7 +76,7 @@ def test_newcomer_takes_the_slot_only_after_the_grace_period() -> None:
     assert stats.num_idle_slots_reclaimed == 1 and stats.num_preemptions == 1
     # x finishes; the session's next chunk recomputes what it held (its first full block
     # is still cached) and completes.
-    while "x" in d.sched.requests:
+    for _ in bounded(lambda: "x" in d.sched.requests):
         d.step()
     d.step()
     d.sched.add_request(chunk("s", [9], max_tokens=1, arrival_time=d.now))

@@ -7,7 +7,7 @@ import pytest
 from slotserve.core.request import Request, RequestStatus
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import EOS, Harness, make_request, make_scheduler, runner_output
+from tests.helpers import EOS, Harness, bounded, make_request, make_scheduler, runner_output
 
 
 def test_running_first_then_waiting_under_one_budget() -> None:
@@ -79,7 +79,11 @@ def test_fcfs_preempts_most_recent_and_it_resumes_with_its_outputs() -> None:
     assert b.num_output_tokens > 0
     assert next(iter(h.sched.waiting)) is b
     kept = list(b.all_token_ids)
-    while "b" not in {r.req_id for r in out.scheduled_new_reqs}:
+
+    def b_not_back() -> bool:
+        return "b" not in {r.req_id for r in out.scheduled_new_reqs}
+
+    for _ in bounded(b_not_back):
         out, _ = h.step()
     new_b = next(r for r in out.scheduled_new_reqs if r.req_id == "b")
     assert new_b.prefill_token_ids == kept

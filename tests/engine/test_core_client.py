@@ -57,5 +57,7 @@ def test_killed_engine_process_fails_every_waiting_caller() -> None:
     finally:
         llm.shutdown()
     assert [type(r) for r in results] == [EngineDeadError] * 3, results
-    assert noticed < 1.0, noticed
+    # At once, not when the core's 60 s call would have ended or the 10 s wait ran out.
+    # Measured: 0.35 s with two busy loops beside the suite on 2 cores.
+    assert noticed < 3.0, noticed
     assert llm.errored

@@ -9,7 +9,7 @@ from slotserve.engine.core import EngineCore
 from slotserve.engine.core_client import ThreadClient
 from slotserve.engine.messages import EngineCoreRequest
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import FakeModelRunner
+from tests.helpers import FakeModelRunner, bounded
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
@@ -28,7 +28,7 @@ def request(rid: str, prompt: list[int], **kwargs: object) -> EngineCoreRequest:
 def test_a_chunk_for_a_session_that_ended_in_the_core_is_dropped() -> None:
     core = make_core(timeout_s=0.0)
     core.add_request(request("s", [5, 6, 7], resumable=True))
-    while core.has_requests():
+    for _ in bounded(core.has_requests):
         core.step()
     (out,) = core.step().outputs  # idle, then timed out
     assert out.finished and "idle" in (out.finish_message or "")
@@ -45,7 +45,7 @@ def test_a_request_the_core_refuses_ends_with_an_error_and_the_core_goes_on() ->
         client.add_request(request("a", [5, 6, 7]))
         client.add_request(request("a", [5, 6, 7]))  # the same id: not a session
         outs = {}
-        while len(outs) < 2:
+        for _ in bounded(lambda: len(outs) < 2):
             for o in client.get_output().outputs:
                 if o.finished:
                     outs.setdefault(o.finish_reason, o)

@@ -18,7 +18,7 @@ from slotserve.errors import EngineDeadError, RequestValidationError
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
 from tests.helpers import TOKENIZER_EOS as EOS
-from tests.helpers import FakeEngineFactory
+from tests.helpers import FakeEngineFactory, bounded
 
 
 def prompts_for(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict[str, list[int]]]:
@@ -109,13 +109,11 @@ def test_reset_prefix_cache_with_running_requests(fake_engine: FakeEngineFactory
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     finals: dict[str, RequestOutput] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
+    for step in bounded(engine.has_unfinished_requests):
         for o in engine.step():
             if o.finished:
                 finals[o.request_id] = o
-        steps += 1
-        if steps in (3, 9):
+        if step + 1 in (3, 9):
             assert engine.reset_prefix_cache(reset_running_requests=True)
     assert [finals[str(i)].outputs[0].token_ids for i in range(6)] == expected
     assert engine.get_stats().num_preemptions >= 6
@@ -188,7 +186,7 @@ def test_delta_outputs_add_up(fake_engine: FakeEngineFactory) -> None:
                        output_kind=RequestOutputKind.DELTA)
     engine.add_request("c", "To be, or not", SamplingParams(max_tokens=20, temperature=0.0))
     text, tokens, final = "", [], None
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for o in engine.step():
             if o.request_id == "d":
                 text += o.outputs[0].text
@@ -208,7 +206,7 @@ def test_abort_keeps_others_running(fake_engine: FakeEngineFactory) -> None:
         engine.step()
     engine.abort_request(["1", "2"])
     finished = set()
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {"0", "3"}
     assert_idle(engine)
@@ -269,7 +267,7 @@ def test_streaming_session_chunks(fake_engine: FakeEngineFactory) -> None:
     chunks: list[RequestOutput] = []
     engine.add_request("other", "To be", SamplingParams(max_tokens=12, ignore_eos=True))
     queued = False
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for o in engine.step():
             if o.request_id == "s" and o.outputs[0].finish_reason is not None:
                 chunks.append(o)
@@ -278,7 +276,7 @@ def test_streaming_session_chunks(fake_engine: FakeEngineFactory) -> None:
             queued = True
     assert len(chunks) == 2 and not any(c.finished for c in chunks)
     engine.add_request("s", {"prompt_token_ids": p3}, params, resumable=True)  # while paused
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         chunks += [o for o in engine.step()
                    if o.request_id == "s" and o.outputs[0].finish_reason is not None]
     engine.add_request("s", {"prompt_token_ids": [0]}, None)  # end of session
@@ -300,7 +298,7 @@ def test_idle_session_times_out(fake_engine: FakeEngineFactory) -> None:
     engine = fake_engine(streaming_session_timeout_s=0.01)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request("s", {"prompt_token_ids": [5, 6, 7]}, params, resumable=True)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         engine.step()
     assert engine.get_stats().num_paused_sessions == 1
     time.sleep(1.1)  # the scheduler looks for idle sessions at most once a second
@@ -318,7 +316,7 @@ def test_session_ended_while_running(fake_engine: FakeEngineFactory) -> None:
     engine.step()
     engine.add_request("s", {"prompt_token_ids": [0]}, None)  # end mark, queued
     outs = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs += [o for o in engine.step() if o.request_id == "s"]
     final = outs[-1]
     assert final.finished and final.outputs[0].finish_reason == "length"

@@ -16,7 +16,7 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import hf_greedy
+from tests.helpers import bounded, hf_greedy
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -87,11 +87,9 @@ def test_reset_prefix_cache_mid_generation(tiny_llama: SimpleNamespace,
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
     finals: dict[str, RequestOutput] = {}
-    step = 0
-    while engine.has_unfinished_requests():
+    for step in bounded(engine.has_unfinished_requests):
         finals.update((o.request_id, o) for o in engine.step() if o.finished)
-        step += 1
-        if step in (2, 6, 10):
+        if step + 1 in (2, 6, 10):
             assert engine.reset_prefix_cache(reset_running_requests=True)
     assert [finals[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == hf_refs
     assert engine.get_stats().num_preemptions > 0
@@ -107,15 +105,15 @@ def test_streaming_session_matches_hf(tiny_llama: SimpleNamespace) -> None:
     engine.add_request("s", {"prompt_token_ids": chunks[1]}, params, resumable=True)
     engine.add_request("other", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
     outs: list[list[int]] = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs += [o.outputs[0].token_ids for o in engine.step()
                  if o.request_id == "s" and o.outputs[0].finish_reason is not None]
     engine.add_request("s", {"prompt_token_ids": chunks[2]}, params, resumable=True)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs += [o.outputs[0].token_ids for o in engine.step()
                  if o.request_id == "s" and o.outputs[0].finish_reason is not None]
     engine.add_request("s", {"prompt_token_ids": [0]}, None)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         engine.step()
     assert_idle(llm)
     context: list[int] = []
@@ -186,7 +184,7 @@ def test_chat_and_bad_input_while_serving(tiny_llama: SimpleNamespace) -> None:
     with pytest.raises(RequestValidationError):
         llm.generate("x", SamplingParams(temperature=0.0, top_k=-5), use_tqdm=False)
     finals = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == ["ok"]
     assert len(finals[0].outputs[0].token_ids) == NEW_TOKENS

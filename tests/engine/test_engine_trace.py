@@ -7,7 +7,7 @@ from pathlib import Path
 
 from slotserve.check.trace import replay
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import FakeEngineFactory
+from tests.helpers import FakeEngineFactory, bounded
 
 
 def test_engine_trace_replays_an_idle_timeout(fake_engine: FakeEngineFactory,
@@ -16,7 +16,7 @@ def test_engine_trace_replays_an_idle_timeout(fake_engine: FakeEngineFactory,
     engine = fake_engine(streaming_session_timeout_s=0.0, trace_path=str(path))
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request("s", {"prompt_token_ids": [5, 6, 7]}, params, resumable=True)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         engine.step()
     (out,) = engine.step()  # the idle session times out on the next step
     assert out.finished and "idle" in (out.outputs[0].finish_message or "")

@@ -12,6 +12,7 @@ import pytest
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
+from tests.helpers import bounded
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = {"a": [1, 40, 41, 42], "poison": [1, 50, 51, 52, 53], "b": [1, 60, 61],
@@ -30,7 +31,7 @@ def run(engine: LLMEngine, params: dict[str, SamplingParams] | None = None
         engine.add_request(rid, {"prompt_token_ids": prompt},
                            (params or {}).get(rid, PARAMS))
     done: dict[str, tuple[list[int], str | None, str | None]] = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         for out in engine.step():
             if out.finished:
                 c = out.outputs[0]

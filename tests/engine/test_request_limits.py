@@ -21,6 +21,7 @@ from slotserve.sampling_params import (
     SamplingParams,
 )
 from tests.helpers import TOKENIZER_EOS as EOS
+from tests.helpers import bounded
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def test_session_takes_no_input_after_its_end() -> None:
             engine.add_request("s", args[0], args[1], resumable=args[1] is not None)
         assert e.value.param == "request_id"
     outs = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs.extend(engine.step())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
 
@@ -150,7 +151,7 @@ def test_logit_bias_steers_sampling() -> None:
         engine.add_request("g", {"prompt_token_ids": [1, 40, 41]}, SamplingParams(
             max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias=bias))
         out = []
-        while engine.has_unfinished_requests():
+        for _ in bounded(engine.has_unfinished_requests):
             out = engine.step() or out
         return list(out[-1].outputs[0].token_ids)
 

@@ -17,7 +17,6 @@ import httpx
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from slotserve.entrypoints.cli import main
 from slotserve.entrypoints.openai.api_server import build_app
 from slotserve.errors import ConfigError
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Served, start_server
@@ -123,24 +122,8 @@ def test_client_leaving_mid_upload_is_quiet(drained: Served, server_log: _Record
 
 
 # --------------------------------------------------------------------------- item 8
-@pytest.mark.parametrize("argv, env", [
-    (["serve", "--api-key", ""], {}),
-    (["serve", "--api-key", "   "], {}),
-    (["serve"], {"SLOTSERVE_API_KEY": ""}),
-    (["serve", "--api-key", "k", "--admin-api-key", ""], {}),
-    (["serve", "--enable-admin-endpoints"], {}),
-])
-def test_empty_keys_are_refused_at_startup(argv: list[str], env: dict[str, str],
-                                           monkeypatch: pytest.MonkeyPatch,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delenv("SLOTSERVE_API_KEY", raising=False)
-    monkeypatch.delenv("SLOTSERVE_ADMIN_API_KEY", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    start = time.monotonic()
-    assert main(argv) == 2
-    assert "error:" in capsys.readouterr().err
-    assert time.monotonic() - start < 5  # refused before the engine starts
+def test_an_empty_key_is_refused_by_the_app() -> None:
+    # The CLI's refusals at startup, in a subprocess: test_serve_process.py.
     with pytest.raises(ConfigError):
         build_app(None, served_model_names=["m"], api_key="")  # type: ignore[arg-type]
 

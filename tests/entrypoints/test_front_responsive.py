@@ -24,6 +24,9 @@ def _rss_mb() -> float:
     raise AssertionError("no VmRSS")
 
 
+TOKENIZE_S = 1.5
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_health_answers_while_a_prompt_is_tokenized(drained: Served, path: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,7 +34,7 @@ def test_health_answers_while_a_prompt_is_tokenized(drained: Served, path: str,
     real = processor.tokenize
 
     def slow_tokenize(text: str, add_special_tokens: bool = True) -> list[int]:
-        time.sleep(0.6)  # a tokenizer busy with a long prompt (it blocks its thread only)
+        time.sleep(TOKENIZE_S)  # a tokenizer busy with a long prompt (it blocks its thread only)
         return real(text, add_special_tokens)
 
     monkeypatch.setattr(processor, "tokenize", slow_tokenize)
@@ -54,7 +57,9 @@ def test_health_answers_while_a_prompt_is_tokenized(drained: Served, path: str,
 
     status, latencies = asyncio.run(run())
     assert status == 200
-    assert max(latencies) < 0.3, latencies  # on the loop, each would wait out the tokenizer
+    # On the loop, each would wait out the tokenizer. Measured: 0.13 s at most with two busy
+    # loops beside the suite on 2 cores; half the tokenizer's time is the margin.
+    assert max(latencies) < TOKENIZE_S / 2, latencies
 
 
 def test_seven_megabyte_prompt_is_refused_before_tokenization(drained: Served) -> None:

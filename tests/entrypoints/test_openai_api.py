@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -165,13 +166,32 @@ def test_logprobs(any_mode: Served) -> None:
     assert [e.token for e in streamed] == [e.token for e in content]
 
 
-def test_extra_sampling_fields_are_accepted(drained: Served) -> None:
-    out = client(drained).completions.create(
-        model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0.8, top_p=0.9, seed=3,
-        presence_penalty=0.5, frequency_penalty=0.5,
-        extra_body={"top_k": 20, "min_p": 0.05, "min_tokens": 5, "repetition_penalty": 1.1,
-                    "ignore_eos": False, "stop_token_ids": [2], "priority": 0})
-    assert out.usage.completion_tokens == 5
+def test_extra_sampling_fields_take_effect(drained: Served) -> None:
+    c = client(drained)
+
+    def run(max_tokens: int = 16, **fields: Any) -> Any:
+        known = {k: fields.pop(k) for k in ("temperature", "seed", "presence_penalty",
+                                            "frequency_penalty") if k in fields}
+        out = c.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens,
+                                   **known, extra_body={"ignore_eos": True, **fields})
+        return out.choices[0], out.usage.completion_tokens
+
+    greedy, _ = run(temperature=0)
+    # top_k 1 and min_p 1 leave only the likeliest token: greedy at any temperature.
+    for field in ({"top_k": 1}, {"min_p": 1.0}):
+        assert run(temperature=1.5, seed=3, **field)[0].text == greedy.text, field
+    assert run(temperature=1.5, seed=3)[0].text != greedy.text  # (else the above says nothing)
+    # Penalties on what was already written change the greedy continuation.
+    for field in ({"repetition_penalty": 1.5}, {"presence_penalty": 2.0},
+                  {"frequency_penalty": 2.0}):
+        assert run(temperature=0, **field)[0].text != greedy.text, field
+    # A stop token ends the output where it is sampled; min_tokens holds it back until then.
+    forced = {"logit_bias": {"77": 100.0}, "stop_token_ids": [77]}
+    choice, n = run(temperature=0, **forced)
+    assert (choice.finish_reason, n) == ("stop", 1)
+    choice, n = run(temperature=0, min_tokens=5, **forced)
+    assert choice.finish_reason == "stop" and n == 6, (choice, n)
+    assert run(temperature=0, priority=0)[0].text == greedy.text
 
 
 def test_sse_wire_format(drained: Served) -> None:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, Served
-from tests.structured.schemas import random_schemas
+from tests.structured_output.schemas import random_schemas
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["speaker", "line"],
           "properties": {"speaker": {"enum": ["HAMLET", "OPHELIA", "GHOST"]},
@@ -203,30 +203,36 @@ def test_a_grammar_the_tokenizer_cannot_compile_is_400_in_both_modes(any_mode: S
 
 
 def test_a_session_is_held_to_its_grammar_across_chunks(drained: Served) -> None:
+    from transformers import AutoTokenizer
     from websockets.sync.client import connect
 
+    from slotserve.engine.args import DEFAULT_MODEL
     from tests.entrypoints.test_sessions import recv, ws_url
 
-    texts = []
+    chunks: list[list[int]] = []
     with connect(ws_url(drained.url), open_timeout=30) as ws:
         recv(ws)
         for i, chunk in enumerate([{"structured_outputs": {"regex": "([a-z]{3} ){1,30}"}},
                                    {}, {"structured_outputs": {"regex": "([a-z]{3} ){1,30}"}}]):
             ws.send(json.dumps({"type": "input", "prompt": " and" if i else "Speak:",
                                 "max_tokens": 5, "temperature": 0, **chunk}))
-            text = ""
+            tokens: list[int] = []
             while (msg := recv(ws))["type"] == "delta":
-                text += msg["text"]
+                tokens += msg["token_ids"]
             assert msg["type"] == "chunk.done", msg
-            texts.append(text)
+            assert len(tokens) == 5
+            chunks.append(tokens)
         # Changing a session's grammar is refused.
         ws.send(json.dumps({"type": "input", "prompt": " x", "max_tokens": 2,
                             "structured_outputs": {"regex": "[0-9]+"}}))
         assert recv(ws)["type"] == "error"
-    # Each chunk continues the one output stream (its first token re-samples the last one
-    # the previous chunk sampled, which the session dropped).
-    for text in texts:
-        assert re.fullmatch(r"[a-z ]+", text), texts
+    # The chunks are one output stream under the one grammar: each fold drops the last token
+    # its chunk sampled (the next chunk's first token re-samples it), so what the session
+    # kept, plus the last chunk's last token, is a prefix of a document of the grammar; the
+    # chunk without structured_outputs (the middle one) is held to it too.
+    kept = [t for c in chunks[:-1] for t in c[:-1]] + chunks[-1]
+    text = AutoTokenizer.from_pretrained(DEFAULT_MODEL).decode(kept)
+    assert re.fullmatch(r"([a-z]{3} )*[a-z]{0,3}", text), (text, chunks)
 
 
 def test_a_session_refuses_a_bad_constraint_chunk_and_goes_on(drained: Served) -> None:

@@ -25,7 +25,7 @@ from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
 from tests.entrypoints.conftest import LoopThread, Served, start_server
 from tests.helpers import TOKENIZER_EOS, build_bigram_model
-from tests.structured.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE
+from tests.structured_output.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE
 
 MODEL = "tools"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],

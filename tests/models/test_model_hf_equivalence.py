@@ -8,15 +8,24 @@ that mix chunked prefills with decodes. Gemma 3's prompts run far past its 6-tok
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.models import attention
 from slotserve.sampling_params import SamplingParams
 from slotserve.worker.model_runner import ModelRunner
-from tests.helpers import VOCAB, ManualScheduler, TinyModel, build_tiny, hf_greedy
+from tests.helpers import (
+    VOCAB,
+    ManualScheduler,
+    TinyModel,
+    build_tiny,
+    hf_greedy,
+    require_compiler,
+)
 
 NEW_TOKENS = 32
 PROMPT_LENS = [1, 3, 7, 12, 17, 24, 33, 45]
@@ -32,13 +41,43 @@ def make_prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
+_native_runners: list[ModelRunner] = []
+
+
+@pytest.fixture(autouse=True)
+def native_decode_ran(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A runner asked for the native decode kernel (float32) must have chosen it and called it:
+    a kernel that stops building fails here instead of quietly testing the torch path."""
+    calls = [0]
+    real = attention.paged_decode
+
+    def counted(*args: object, **kwargs: object) -> None:
+        calls[0] += 1
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "paged_decode", counted)
+    _native_runners.clear()
+    yield
+    for runner in _native_runners:
+        assert runner.native_decode, "native decode was asked for and not chosen"
+    if _native_runners:
+        assert calls[0] > 0, "the native decode kernel was chosen but never called"
+
+
 def make_runner(model: TinyModel, block_size: int = 4, max_num_seqs: int = 8,
                 max_model_len: int = 128, native: bool = True, dtype: str = "float32"
                 ) -> ModelRunner:
-    return ModelRunner(model.path, SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                   max_model_len=max_model_len),
-                       CacheConfig(block_size=block_size, num_blocks=512), dtype=dtype,
-                       device="cpu", native_attention=native)
+    if native and dtype == "float32":
+        require_compiler("the native decode kernel")
+    runner = ModelRunner(model.path, SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                     max_model_len=max_model_len),
+                         CacheConfig(block_size=block_size, num_blocks=512), dtype=dtype,
+                         device="cpu", native_attention=native)
+    if native and dtype == "float32":
+        _native_runners.append(runner)
+    else:
+        assert not runner.native_decode
+    return runner
 
 
 @pytest.fixture(scope="module")

@@ -47,13 +47,16 @@ def stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
 
 
 def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_heads: int,
-             head_dim: int, seed: int = 0, kv_dtype: torch.dtype = torch.float32
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+             head_dim: int, seed: int = 0, kv_dtype: torch.dtype = torch.float32,
+             device: torch.device = CPU) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One mixed step through the attention layer on `device`: its outputs (on the CPU) and
+    the dense references."""
     gen = torch.Generator().manual_seed(seed)
     lens = [nc + n for nc, n in STEP]
     num_blocks = 1 + sum(math.ceil(n / block_size) for n in lens) + 5
     shape = (num_blocks, block_size, kv_heads, row_elems(head_dim, kv_dtype))
-    k_cache, v_cache = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+    k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     table = np.zeros((len(STEP), 16), dtype=np.int64)
     queries, keys, values, slot_mapping, refs = [], [], [], [], []
@@ -68,25 +71,26 @@ def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_h
         slots = table[r, pos // block_size] * block_size + pos % block_size
         # The whole sequence: the cached prefix and this step's tokens (the layer writes
         # those before it attends).
-        write_kv((k_cache, v_cache), k, v, torch.from_numpy(slots))
+        write_kv((k_cache, v_cache), k.to(device), v.to(device),
+                 torch.from_numpy(slots).to(device))
         queries.append(q)
         keys.append(k[nc:])
         values.append(v[nc:])
         slot_mapping.append(torch.from_numpy(slots[nc:]))
         refs.append(dense(q, k, v, nc, scale, window))
     backend = AttentionBackend(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                               windows=[None, window], dtype=torch.float32, device=CPU,
+                               windows=[None, window], dtype=torch.float32, device=device,
                                native=native)
     assert backend.native == native
     layout = BatchLayout(
         block_table=table, slots=np.arange(len(STEP)),
         q_lens=np.array([n for _, n in STEP]), num_computed=np.array([nc for nc, _ in STEP]),
         num_decodes=sum(n == 1 for _, n in STEP), block_size=block_size,
-        slot_mapping=torch.cat(slot_mapping))
+        slot_mapping=torch.cat(slot_mapping).to(device))
     meta = backend.build(layout)[window]
-    out = paged_attention(torch.cat(queries), torch.cat(keys), torch.cat(values),
-                          (k_cache, v_cache), meta, scale)
-    got = list(out.split([n for _, n in STEP]))
+    out = paged_attention(torch.cat(queries).to(device), torch.cat(keys).to(device),
+                          torch.cat(values).to(device), (k_cache, v_cache), meta, scale)
+    got = list(out.cpu().split([n for _, n in STEP]))
     return got, refs
 
 

@@ -22,7 +22,7 @@ from slotserve.entrypoints.openai.tool_calls import (
     detect_format,
 )
 from slotserve.errors import RequestValidationError
-from tests.structured.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE
+from tests.structured_output.templates import HERMES_TEMPLATE, LLAMA3_JSON_TEMPLATE
 
 WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False,
            "properties": {"city": {"type": "string", "maxLength": 10},

@@ -26,7 +26,7 @@ from slotserve.errors import InvariantViolation, RequestValidationError
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.test_engine_fake import assert_idle, prompts_for
-from tests.helpers import FakeEngineFactory
+from tests.helpers import FakeEngineFactory, bounded
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -100,7 +100,7 @@ def test_reset_prefix_cache_with_running_grammars(fake_engine: FakeEngineFactory
         engine.step()
     assert engine.reset_prefix_cache(reset_running_requests=True)
     done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert engine.get_stats().num_preemptions >= 4
     for out in done.values():
@@ -125,7 +125,7 @@ def test_abort_while_running_and_while_compiling(fake_engine: FakeEngineFactory)
     engine.abort_request("c")
     gate.set()
     outs: list[RequestOutput] = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs.extend(engine.step())
     assert {o.request_id for o in outs if o.finished} == {"b"}
     assert not core.scheduler.waiting_for_grammar
@@ -140,7 +140,7 @@ def test_waiting_for_a_grammar_holds_no_slot(fake_engine: FakeEngineFactory) -> 
     engine.add_request("slow", prompts_for(1)[0], json_params())
     engine.add_request("free", prompts_for(1, seed=5)[0], SamplingParams(max_tokens=6))
     finished = []
-    while "free" not in finished:
+    for _ in bounded(lambda: "free" not in finished):  # noqa: B023 (re-read every step)
         finished += [o.request_id for o in engine.step() if o.finished]
         # The one slot went to the free request; the other holds nothing while it waits.
         assert core.scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_GRAMMAR
@@ -148,7 +148,7 @@ def test_waiting_for_a_grammar_holds_no_slot(fake_engine: FakeEngineFactory) -> 
         assert core.get_stats().num_waiting_for_grammar == 1
     gate.set()
     outs = []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == ["slow"]
     check_json(outs[0])
@@ -222,7 +222,7 @@ def test_session_grammar_spans_chunks(fake_engine: FakeEngineFactory) -> None:
         engine.add_request(rid, prompt, params, resumable=True,
                            output_kind=RequestOutputKind.FINAL_ONLY)
         out = None
-        while out is None:
+        for _ in bounded(lambda: out is None):  # noqa: B023 (re-read every step)
             out = next((o for o in engine.step() if o.outputs[0].finish_reason), None)
         tokens = out.outputs[0].token_ids
         kept.extend(tokens[:-1])  # the fold keeps all but the last sampled token
@@ -230,7 +230,7 @@ def test_session_grammar_spans_chunks(fake_engine: FakeEngineFactory) -> None:
     text = engine.tokenizer.decode(kept + last)
     assert re.fullmatch(r"([a-z]{3} )*[a-z ]*", text), text
     engine.add_request(rid, {"prompt_token_ids": []}, None)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         engine.step()
     assert_idle(engine)
 
@@ -247,7 +247,7 @@ def test_a_session_cannot_change_its_grammar(fake_engine: FakeEngineFactory) -> 
         engine.add_request("s", {"prompt_token_ids": [5]}, SamplingParams(min_tokens=1),
                            resumable=True)
     engine.abort_request("s")
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         engine.step()
     assert_idle(engine)
 
@@ -275,12 +275,12 @@ def test_a_trace_replays_grammar_stops_and_folds(fake_engine: FakeEngineFactory,
         max_tokens=3, structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"])),
         resumable=True)
     stops = 0
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         stops += sum(o.outputs[0].finish_reason == "stop" for o in engine.step())
     engine.add_request("s", {"prompt_token_ids": [7]}, SamplingParams(max_tokens=3),
                        resumable=True)
     engine.add_request("s", {"prompt_token_ids": []}, None)
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests):
         stops += sum(o.outputs[0].finish_reason == "stop" for o in engine.step())
     assert stops >= 4 and engine.get_stats().num_preemptions > 0
     recorded = [json.loads(line) for line in path.read_text().splitlines()]

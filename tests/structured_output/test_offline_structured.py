@@ -17,7 +17,8 @@ import pytest
 
 from slotserve.entrypoints.llm import LLM
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.structured.schemas import random_schemas
+from tests.helpers import bounded
+from tests.structured_output.schemas import random_schemas
 
 MODES: list[dict[str, Any]] = [
     dict(temperature=0.0),
@@ -168,7 +169,7 @@ def test_a_failure_isolated_one_by_one_keeps_each_grammar(
         for i, p in enumerate(prompts):
             engine.add_request(f"iso-{i}", p, params)
         done = {}
-        while engine.has_unfinished_requests():
+        for _ in bounded(engine.has_unfinished_requests):
             done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
         return done
 
