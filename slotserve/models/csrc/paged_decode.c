@@ -55,15 +55,13 @@ static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t
     return __builtin_convertvector(((const v16i8*)row)[c], v16);
 }
 
-/* The scale of values c*16 .. c*16+15 of an int8 row (1 for the other types): the float16
-   scales of its q8_0 blocks (32 values, or the whole row when head_dim is no multiple of 32)
+/* The float16 scale of q8_0 block `blk` of an int8 row (1 for the other types): the scales
    follow the head_dim values. */
-static inline __attribute__((always_inline)) float chunk_scale(const char* row, int64_t c,
+static inline __attribute__((always_inline)) float block_scale(const char* row, int64_t blk,
                                                                int64_t head_dim, const int kvt) {
     if (kvt != KV_INT8) return 1.0f;
-    int64_t qk = head_dim % 32 == 0 ? 32 : head_dim;
     _Float16 s;
-    memcpy(&s, row + head_dim + 2 * (c * 16 / qk), sizeof s);
+    memcpy(&s, row + head_dim + 2 * blk, sizeof s);
     return (float)s;
 }
 
@@ -80,6 +78,10 @@ static inline __attribute__((always_inline)) int decode(
         int64_t groups, int64_t head_dim, int64_t bs, float scale, int64_t row_bytes,
         const int kvt) {
     int64_t nh = kvh * groups, nc = head_dim / 16;
+    /* Scale blocks per row and 16-value chunks per block (int8: 32 values, or the whole row
+       when head_dim is no multiple of 32; the other types: one unscaled block). */
+    int64_t qk = kvt == KV_INT8 && head_dim % 32 == 0 ? 32 : head_dim;
+    int64_t nblk = head_dim / qk, cpb = qk / 16;
     int64_t tok_stride = kvh * row_bytes, blk_stride = bs * tok_stride;
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx_lens[b];
@@ -102,9 +104,11 @@ static inline __attribute__((always_inline)) int decode(
                 for (int64_t hq = 0; hq < nh; hq++) {
                     const char* kr = blk + i * tok_stride + hq / groups * row_bytes;
                     const v16* qv = (const v16*)(qb + hq * head_dim);
-                    v16 acc = qv[0] * load16(kr, 0, kvt) * chunk_scale(kr, 0, head_dim, kvt);
-                    for (int64_t c = 1; c < nc; c++)
-                        acc += qv[c] * load16(kr, c, kvt) * chunk_scale(kr, c, head_dim, kvt);
+                    v16 acc = (v16){0};
+                    for (int64_t blk = 0, c = 0; blk < nblk; blk++) {
+                        float sc = block_scale(kr, blk, head_dim, kvt);
+                        for (int64_t j = 0; j < cpb; j++, c++) acc += qv[c] * load16(kr, c, kvt) * sc;
+                    }
                     p[hq * span + t0 + i - lo] = scale * hsum(acc);
                 }
             }
@@ -129,9 +133,10 @@ static inline __attribute__((always_inline)) int decode(
                 for (int64_t hq = 0; hq < nh; hq++) {
                     const char* vr = blk + i * tok_stride + hq / groups * row_bytes;
                     float pw = p[hq * span + t0 + i - lo];
-                    for (int64_t c = 0; c < nc; c++) {
-                        v16 w = (v16){0} + pw * chunk_scale(vr, c, head_dim, kvt);
-                        acc[hq * nc + c] += w * load16(vr, c, kvt);
+                    for (int64_t blk = 0, c = 0; blk < nblk; blk++) {
+                        v16 w = (v16){0} + pw * block_scale(vr, blk, head_dim, kvt);
+                        for (int64_t j = 0; j < cpb; j++, c++)
+                            acc[hq * nc + c] += w * load16(vr, c, kvt);
                     }
                 }
             }
