@@ -92,10 +92,7 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
         if (scope["type"] not in ("http", "websocket") or path == "/health"
-                or path in ADMIN_PATHS):
-            await self.app(scope, receive, send)
-            return
-        if key_matches(scope, self._key):
+                or path in ADMIN_PATHS or key_matches(scope, self._key)):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
