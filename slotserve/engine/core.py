@@ -8,6 +8,7 @@ and detokenizes, and talks to it through an EngineCoreClient (engine/core_client
 
 from __future__ import annotations
 
+import importlib
 import logging
 import random
 import time
@@ -87,6 +88,9 @@ class EngineCore:
         weights are in memory), then build every part from the one EngineConfig."""
         import torch
 
+        # Where the core runs, so the utilities a plugin adds to EngineCore exist there too.
+        for plugin in filter(None, (args.plugins or "").split(",")):
+            importlib.import_module(plugin)
         from slotserve.models.loader import load_model, parse_dtype
         from slotserve.worker.kv_cache import determine_num_blocks
         from slotserve.worker.model_runner import ModelRunner, default_device
