@@ -86,9 +86,8 @@ class EngineArgs:
         None, "fill grammar bitmasks on a helper thread during the forward pass (default: "
         "on an accelerator)")
 
-    plugins: str | None = _arg(None, "comma-separated modules the engine core imports where it "
-                               "runs, before loading (vLLM's general plugins: they may add "
-                               "EngineCore utilities)")
+    plugins: str | None = _arg(None, "comma-separated modules imported where the engine core "
+                               "runs (vLLM's general plugins; they may add utilities)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -73,8 +73,14 @@ class LLMEngine:
             raise TypeError("pass either an EngineArgs or keyword arguments, not both")
         path = engine_args.model_path()
         tokenizer_path = engine_args.tokenizer or path
-        # The front loads its parts on a thread while the core starts: each takes seconds
-        # for a large vocabulary (a GGUF file's tokenizer is built from its metadata).
+        if mode != "process":
+            # In one process the front loads first: importing transformers on a thread while
+            # the core imports llguidance (which reads transformers' attributes) races.
+            model_config = load_model_config(path)
+            tokenizer = load_tokenizer(tokenizer_path)
+            return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)
+        # The front loads its parts on a thread while the child starts the core: each takes
+        # seconds for a large vocabulary (a GGUF file's tokenizer is built from its metadata).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             front = pool.submit(lambda: (load_model_config(path), load_tokenizer(tokenizer_path)))
             client = make_client(mode, engine_args, threads=threads)

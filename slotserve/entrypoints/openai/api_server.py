@@ -69,16 +69,11 @@ def slotserve_version() -> str:
         return "0.0.0+unknown"
 
 
-def _authorization(scope: Scope) -> bytes:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            return bytes(value)
-    return b""
-
-
 def key_matches(scope: Scope, key: str) -> bool:
+    given = next((bytes(value) for name, value in scope.get("headers", ())
+                  if name == b"authorization"), b"")
     # Constant time, so the comparison leaks nothing about how much of the key matched.
-    return hmac.compare_digest(_authorization(scope), f"Bearer {key}".encode())
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 class APIKeyMiddleware:

@@ -67,10 +67,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_validation_error(exc: RequestValidationError) -> APIError:
-    return bad_request(exc.message, exc.param, exc.code)
-
-
 _SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
@@ -109,7 +105,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestValidationError):
-        return from_validation_error(exc)
+        return bad_request(exc.message, exc.param, exc.code)
     if isinstance(exc, ValidationError):
         return from_pydantic_errors(exc.errors())
     if isinstance(exc, EngineDeadError):
