@@ -38,46 +38,42 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.1
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                     30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
-# (metric suffix, help, how to read it from the engine's stats)
-_GAUGES: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
-    ("num_requests_running", "Number of requests in the running batch.",
-     lambda s: s.num_running_reqs),
-    ("num_requests_waiting", "Number of requests waiting to be scheduled.",
-     lambda s: s.num_waiting_reqs),
+# (metric suffix, help, the EngineStats field it reads)
+_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("num_requests_running", "Number of requests in the running batch.", "num_running_reqs"),
+    ("num_requests_waiting", "Number of requests waiting to be scheduled.", "num_waiting_reqs"),
     ("num_paused_sessions", "Streaming-input sessions paused between chunks (holding KV + slot).",
-     lambda s: s.num_paused_sessions),
+     "num_paused_sessions"),
     ("kv_cache_usage_perc", "Fraction of usable KV cache blocks in use (0 to 1).",
-     lambda s: s.kv_cache_usage),
+     "kv_cache_usage"),
     ("num_slots_held", "Worker slots held (running requests, idle and promoted sessions).",
-     lambda s: s.num_slots_held),
+     "num_slots_held"),
     ("model_weights_bytes", "Bytes of model weights in memory (quantized blocks included).",
-     lambda s: s.weights_bytes),
+     "weights_bytes"),
     ("model_quantized_weights_bytes", "Bytes of weights kept in their quantized block format.",
-     lambda s: s.quantized_weights_bytes),
+     "quantized_weights_bytes"),
     ("kv_cache_bytes", "Bytes allocated for the KV cache (its pages become resident as blocks "
-     "are first used).", lambda s: s.kv_cache_bytes),
+     "are first used).", "kv_cache_bytes"),
     ("engine_resident_memory_bytes", "Resident memory of the engine core's process (the "
-     "serving process's own is process_resident_memory_bytes).", lambda s: s.resident_bytes),
+     "serving process's own is process_resident_memory_bytes).", "resident_bytes"),
 )
-_COUNTERS: tuple[tuple[str, str, Callable[[EngineStats], float]], ...] = (
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-     lambda s: s.prefix_cache_queries),
-    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-     lambda s: s.prefix_cache_hits),
-    ("num_preemptions", "Cumulative number of preemptions.", lambda s: s.num_preemptions),
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
     ("idle_session_slots_reclaimed", "Idle sessions whose slot and KV were taken (past the "
      "grace period by a waiting request, or over the cap of idle sessions).",
-     lambda s: s.num_idle_slots_reclaimed),
+     "num_idle_slots_reclaimed"),
     ("failed_requests", "Requests a model step failed alone (the rest of the step went on).",
-     lambda s: s.num_failed_requests),
-    ("prompt_tokens", "Prompt tokens processed (prefilled).", lambda s: s.prompt_tokens_total),
-    ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens_total),
+     "num_failed_requests"),
+    ("prompt_tokens", "Prompt tokens processed (prefilled).", "prompt_tokens_total"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
     # How busy the front keeps the engine core's step loop.
-    ("engine_loop_steps", "Steps the engine loop ran.", lambda s: s.num_steps),
-    ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().",
-     lambda s: s.busy_s),
+    ("engine_loop_steps", "Steps the engine loop ran.", "num_steps"),
+    ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().", "busy_s"),
     ("engine_loop_busy_cpu_seconds", "CPU seconds the engine loop thread spent inside step().",
-     lambda s: s.busy_cpu_s),
+     "busy_cpu_s"),
 )
 
 
@@ -86,29 +82,22 @@ class _EngineStatsCollector(Collector):
         self._owner = owner
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._owner.stats
-        labels = [self._owner.model_name]
-        for suffix, doc, read in _GAUGES:
-            g = GaugeMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
-            g.add_metric(labels, float(read(stats)) if stats is not None else 0.0)
-            yield g
-        for suffix, doc, read in _COUNTERS:
-            c = CounterMetricFamily(PREFIX + suffix, doc, labels=["model_name"])
-            c.add_metric(labels, float(read(stats)) if stats is not None else 0.0)
-            yield c
-        admission = self._owner.admission
+        stats, admission = self._owner.stats, self._owner.admission
+        kinds = ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS))
+        values: list[tuple[Callable[..., GaugeMetricFamily | CounterMetricFamily], str, str,
+                           float]] = [
+            (family, suffix, doc, getattr(stats, field) if stats is not None else 0.0)
+            for family, table in kinds for suffix, doc, field in table]
         if admission is not None:
-            g = GaugeMetricFamily(PREFIX + "num_requests_admission_waiting",
-                                  "Sequences accepted by the server that have not produced a "
-                                  "token yet (in its fair queue or in the engine).",
-                                  labels=["model_name"])
-            g.add_metric(labels, float(admission.waiting.seqs))
-            yield g
-            c = CounterMetricFamily(PREFIX + "requests_refused",
-                                    "Requests refused with 429 by admission control.",
-                                    labels=["model_name"])
-            c.add_metric(labels, float(admission.num_refused))
-            yield c
+            values += [(GaugeMetricFamily, "num_requests_admission_waiting",
+                        "Sequences accepted by the server that have not produced a token yet "
+                        "(in its fair queue or in the engine).", admission.waiting.seqs),
+                       (CounterMetricFamily, "requests_refused",
+                        "Requests refused with 429 by admission control.", admission.num_refused)]
+        for family, suffix, doc, value in values:
+            metric = family(PREFIX + suffix, doc, labels=["model_name"])
+            metric.add_metric([self._owner.model_name], float(value))
+            yield metric
 
 
 class ServerMetrics:

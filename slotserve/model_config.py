@@ -18,14 +18,8 @@ from slotserve.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma3ForCausalLM",
-)
-# Configs without an `architectures` list still name their family in `model_type`.
+# Each supported architecture by its `model_type` (configs without an `architectures` list
+# still name their family there).
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -33,6 +27,7 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPE_TO_ARCH.values())
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # transformers' names for the attention of a layer (`layer_types`).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"

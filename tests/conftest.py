@@ -13,12 +13,15 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The test utilities of the engine core (tests/core_utilities.py), in every core process too.
+os.environ["SLOTSERVE_PLUGINS"] = "tests.core_utilities"
 
 from slotserve.engine.args import EngineArgs  # noqa: E402
 from slotserve.engine.core import EngineCore  # noqa: E402
 from slotserve.engine.core_client import InprocClient  # noqa: E402
 from slotserve.engine.llm_engine import LLMEngine  # noqa: E402
 from slotserve.structured_output import GuidanceBackend, StructuredOutputManager  # noqa: E402
+from tests import core_utilities  # noqa: E402, F401 - adds the test utilities to EngineCore
 from tests.helpers import (  # noqa: E402
     TINY_MODELS,
     TOKENIZER_BOS,

@@ -34,6 +34,7 @@ form: a collision among a million states has a probability near 1e-27.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import marshal
 import math
 from collections.abc import Iterable
@@ -97,22 +98,14 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
 
     # --- block ids: tables in canonical request order, then the free queue, then the rest.
     bid: dict[int, int] = {0: 0}
-    for req_id in order:
-        for b in tables.get(req_id, ()):
-            if b.block_id not in bid:
-                bid[b.block_id] = len(bid)
     free_queue = [b.block_id for b in pool.free_block_queue]
-    for block_id in free_queue:
-        if block_id not in bid:
-            bid[block_id] = len(bid)
+    for block_id in itertools.chain((b.block_id for r in order for b in tables.get(r, ())),
+                                    free_queue):
+        bid.setdefault(block_id, len(bid))  # the next rank, for an id not ranked yet
     if len(bid) < pool.num_blocks:
-        for table in worker_tables.values():
-            for block_id in table:
-                if block_id not in bid:
-                    bid[block_id] = len(bid)
-        for blk in pool.blocks:
-            if blk.block_id not in bid:
-                bid[blk.block_id] = len(bid)
+        for block_id in itertools.chain((b for t in worker_tables.values() for b in t),
+                                        (blk.block_id for blk in pool.blocks)):
+            bid.setdefault(block_id, len(bid))
 
     hash_ids = _HASH_IDS
 

@@ -94,11 +94,11 @@ class Arrive:
         rid = h.new_request_id()
         sor = (StructuredOutputRequest(CountingGrammar(self.grammar)) if self.grammar
                else None)
-        h.add(Request(rid, list(self.prompt),
-                      _params(self.max_tokens, 0 if self.grammar else self.min_tokens,
-                              self.ignore_eos),
-                      eos_token_id=EOS, priority=self.priority, arrival_time=h.now,
-                      resumable=self.resumable, structured_output_request=sor))
+        h.observer.add_request(Request(
+            rid, list(self.prompt),
+            _params(self.max_tokens, 0 if self.grammar else self.min_tokens, self.ignore_eos),
+            eos_token_id=EOS, priority=self.priority, arrival_time=h.now,
+            resumable=self.resumable, structured_output_request=sor))
         if self.resumable and rid in h.sched.requests:
             h.open_sessions.append(rid)
 
@@ -131,8 +131,9 @@ class Chunk:
 
     def apply(self, h: Harness) -> None:
         rid = h.open_sessions[self.session]
-        h.add(Request(rid, list(self.prompt), _params(self.max_tokens), eos_token_id=EOS,
-                      priority=self.priority, arrival_time=h.now, resumable=True))
+        h.observer.add_request(Request(rid, list(self.prompt), _params(self.max_tokens),
+                                       eos_token_id=EOS, priority=self.priority,
+                                       arrival_time=h.now, resumable=True))
 
     def __str__(self) -> str:
         return (f"chunk {list(self.prompt)} max_tokens={self.max_tokens} to open session "
@@ -156,7 +157,7 @@ class EndSession:
 
     def apply(self, h: Harness) -> None:
         rid = h.open_sessions.pop(self.session)
-        h.add(Request(rid, [0], _params(1), eos_token_id=EOS, arrival_time=h.now))
+        h.observer.add_request(Request(rid, [0], _params(1), eos_token_id=EOS, arrival_time=h.now))
 
     def __str__(self) -> str:
         return f"end open session #{self.session}"
@@ -177,7 +178,7 @@ class Abort:
         rid = h.live_ids()[self.index]
         if rid in h.open_sessions:
             h.open_sessions.remove(rid)
-        h.finish([rid], RequestStatus.FINISHED_ABORTED)
+        h.observer.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
 
     def __str__(self) -> str:
         return f"abort live request #{self.index}"

@@ -26,7 +26,7 @@ import pickle
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from slotserve.check.canonical import canonical_key
 from slotserve.check.events import Event, Menu, enabled_events
@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
     p.add_argument("--policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--sessions", action="store_true", help="streaming sessions: chunks, ends, "
                    "and jumps of the clock past the idle-slot grace period and the idle timeout")
-    p.add_argument("--idle-slot-grace", type=float, default=2.0,
+    p.add_argument("--idle-slot-grace", type=float, default=2.0, dest="idle_slot_grace_s",
                    help="seconds an idle session keeps a slot that a waiting request needs")
     p.add_argument("--max-idle-sessions", type=int, default=None,
                    help="idle sessions that may keep slot and KV (default: no cap)")
@@ -383,14 +383,10 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
                 request_failures=a.request_failures,
                 resets=not a.no_resets, aborts=not a.no_aborts,
                 max_live_requests=a.max_live_requests, max_in_flight=a.max_in_flight)
-    cfg = ExploreConfig(max_num_seqs=a.max_num_seqs, num_blocks=a.num_blocks,
-                        block_size=a.block_size, max_num_batched_tokens=a.max_num_batched_tokens,
-                        max_model_len=a.max_model_len, policy=a.policy,
-                        long_prefill_token_threshold=a.long_prefill_token_threshold,
-                        enable_chunked_prefill=not a.no_chunked_prefill,
-                        enable_prefix_caching=not a.no_prefix_caching,
-                        idle_slot_grace_s=a.idle_slot_grace, max_idle_sessions=a.max_idle_sessions,
-                        depth=a.depth, drain_steps=a.drain_steps, menu=menu)
+    # The flags named as ExploreConfig's fields set them; the rest are built above.
+    given = {f.name: getattr(a, f.name) for f in fields(ExploreConfig) if hasattr(a, f.name)}
+    cfg = ExploreConfig(**given, enable_chunked_prefill=not a.no_chunked_prefill,
+                        enable_prefix_caching=not a.no_prefix_caching, menu=menu)
     return cfg, a
 
 

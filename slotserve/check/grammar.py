@@ -17,25 +17,13 @@ REJECTED = 9
 
 
 @dataclass(slots=True)
-class CountingGrammar:
-    length: int
-    consumed: list[int] = field(default_factory=list)
-    failure: str | None = None
-
-    def accept_tokens(self, tokens: list[int]) -> bool:
-        if self.failure is not None:
-            return False
-        if REJECTED in tokens:
-            self.failure = f"token {REJECTED} is not allowed"
-            return False
-        self.consumed.extend(tokens)
-        return True
+class _CheckGrammar:
+    """What both grammars share: the tokens consumed, a failure, always compiled."""
+    consumed: list[int] = field(default_factory=list, kw_only=True)
+    failure: str | None = field(default=None, kw_only=True)
 
     def rollback(self, num_tokens: int) -> None:
         del self.consumed[len(self.consumed) - num_tokens:]
-
-    def is_terminated(self) -> bool:
-        return self.failure is None and len(self.consumed) >= self.length
 
     def is_ready(self) -> bool:
         return True
@@ -50,10 +38,25 @@ class CountingGrammar:
 
 
 @dataclass(slots=True)
-class ReplayGrammar:
-    consumed: list[int] = field(default_factory=list)
+class CountingGrammar(_CheckGrammar):
+    length: int
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        if self.failure is not None:
+            return False
+        if REJECTED in tokens:
+            self.failure = f"token {REJECTED} is not allowed"
+            return False
+        self.consumed.extend(tokens)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.failure is None and len(self.consumed) >= self.length
+
+
+@dataclass(slots=True)
+class ReplayGrammar(_CheckGrammar):
     terminated: bool = False
-    failure: str | None = None
     # Set by the replay for the next update: what the recorded grammar did with its token.
     completes_next: bool = False
     fails_next: str | None = None
@@ -70,7 +73,7 @@ class ReplayGrammar:
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        del self.consumed[len(self.consumed) - num_tokens:]
+        _CheckGrammar.rollback(self, num_tokens)  # (no zero-argument super() with slots)
         self.terminated = False
 
     def is_terminated(self) -> bool:
@@ -78,11 +81,3 @@ class ReplayGrammar:
 
     def is_ready(self) -> bool:
         return self.ready
-
-    @property
-    def error(self) -> str | None:
-        return self.failure
-
-    @property
-    def consumed_token_ids(self) -> list[int]:
-        return self.consumed

@@ -19,7 +19,7 @@ from slotserve.check.events import PREEMPTED, RUNNING, EndSession, Schedule, Upd
 from slotserve.check.observer import SchedulerObserver
 from slotserve.check.trace import TraceRecorder
 from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from slotserve.core.request import Request, RequestStatus
+from slotserve.core.request import RequestStatus
 from slotserve.core.scheduler import Scheduler
 from slotserve.errors import InvariantViolation
 from slotserve.worker.slots import RequestSlots
@@ -92,12 +92,6 @@ class Harness:
     def live_ids(self) -> list[str]:
         return list(self.sched.requests)  # insertion order is arrival order (ids are fresh)
 
-    def add(self, request: Request) -> None:
-        self.observer.add_request(request)
-
-    def finish(self, ids: list[str], status: RequestStatus) -> None:
-        self.observer.finish_requests(ids, status)
-
     def schedule(self) -> SchedulerOutput:
         s = self.sched
         running = list(s.running)
@@ -155,7 +149,7 @@ class Harness:
     def fail_step(self) -> None:
         """The model step of the oldest in-flight output raised: EngineCore._fail_step."""
         out, _ = self.in_flight.pop(0)
-        self.finish(list(out.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
+        self.observer.finish_requests(list(out.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
 
     # ------------------------------------------------------------------ draining
     def drain(self, max_steps: int, known: Callable[[Harness], int | None] | None = None,

@@ -9,58 +9,67 @@ from collections.abc import Callable, Iterable, Iterator
 from slotserve.core.request import Request
 
 
-class FCFSRequestQueue:
+class _Queue:
+    """What both queues share; `_items` is a deque (FCFS) or a heap list (priority)."""
+
+    _items: deque[Request] | list[Request]
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        raise NotImplementedError
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __contains__(self, request: object) -> bool:
+        return any(r is request for r in self._items)
+
+
+class FCFSRequestQueue(_Queue):
     def __init__(self) -> None:
-        self._q: deque[Request] = deque()
+        self._items: deque[Request] = deque()
 
     def add_request(self, request: Request) -> None:
-        self._q.append(request)
+        self._items.append(request)
 
     def prepend_request(self, request: Request) -> None:
-        self._q.appendleft(request)
+        self._items.appendleft(request)
 
     def add_resumed_request(self, request: Request, is_resumed: Callable[[Request], bool]) -> None:
         """Ahead of newcomers but behind sessions resumed earlier (FIFO among resumes)."""
-        q = self._q
+        q = self._items
         i = 0
         while i < len(q) and is_resumed(q[i]):
             i += 1
         q.insert(i, request)
 
     def peek_request(self) -> Request:
-        return self._q[0]
+        return self._items[0]
 
     def pop_request(self) -> Request:
-        return self._q.popleft()
-
-    def remove_request(self, request: Request) -> None:
-        self._q.remove(request)
+        return self._items.popleft()
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
-        self._q = deque(r for r in self._q if id(r) not in drop)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __bool__(self) -> bool:
-        return bool(self._q)
+        self._items = deque(r for r in self._items if id(r) not in drop)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-    def __contains__(self, request: object) -> bool:
-        return any(r is request for r in self._q)
+        return iter(self._items)
 
 
-class PriorityRequestQueue:
+class PriorityRequestQueue(_Queue):
     """There is no front in a heap: a prepended (preempted) request re-enters by priority."""
 
     def __init__(self) -> None:
-        self._heap: list[Request] = []
+        self._items: list[Request] = []
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, request)
+        heapq.heappush(self._items, request)
 
     prepend_request = add_request
 
@@ -68,30 +77,18 @@ class PriorityRequestQueue:
         self.add_request(request)
 
     def peek_request(self) -> Request:
-        return self._heap[0]
+        return self._items[0]
 
     def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)
-
-    def remove_request(self, request: Request) -> None:
-        self.remove_requests((request,))
+        return heapq.heappop(self._items)
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
-        self._heap = [r for r in self._heap if id(r) not in drop]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
+        self._items = [r for r in self._items if id(r) not in drop]
+        heapq.heapify(self._items)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(sorted(self._heap))
-
-    def __contains__(self, request: object) -> bool:
-        return any(r is request for r in self._heap)
+        return iter(sorted(self._items))
 
 
 RequestQueue = FCFSRequestQueue | PriorityRequestQueue

@@ -31,8 +31,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "default_model")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The environment switches, read once in EngineArgs.from_kwargs.
-CHECK_ENV, TRACE_ENV, NATIVE_ATTENTION_ENV = (
-    "SLOTSERVE_CHECK", "SLOTSERVE_TRACE", "SLOTSERVE_NATIVE_ATTENTION")
+CHECK_ENV, TRACE_ENV, NATIVE_ATTENTION_ENV, PLUGINS_ENV = (
+    "SLOTSERVE_CHECK", "SLOTSERVE_TRACE", "SLOTSERVE_NATIVE_ATTENTION", "SLOTSERVE_PLUGINS")
 
 
 def _arg(default: T, help: str, *aliases: str) -> T:
@@ -96,12 +96,16 @@ class EngineArgs:
         None, "fill grammar bitmasks on a helper thread during the forward pass (default: "
         "on an accelerator)")
 
+    plugins: str | None = _arg(None, "comma-separated modules imported where the engine core "
+                               "runs (vLLM's general plugins; they may add utilities)")
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """The one entry for engine settings; the environment switches are read here, once,
         and carried as arguments from then on: SLOTSERVE_CHECK=1 turns the checker on for any
         engine, SLOTSERVE_TRACE=PATH records a trace unless a trace_path is given, and
-        SLOTSERVE_NATIVE_ATTENTION=0 keeps decode attention on the torch path."""
+        SLOTSERVE_NATIVE_ATTENTION=0 keeps decode attention on the torch path, and
+        SLOTSERVE_PLUGINS=MODULES names plugins unless `plugins` is given."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -112,6 +116,8 @@ class EngineArgs:
             given["check"] = True
         if "trace_path" not in given and os.environ.get(TRACE_ENV):
             given["trace_path"] = os.environ[TRACE_ENV]
+        if "plugins" not in given and os.environ.get(PLUGINS_ENV):
+            given["plugins"] = os.environ[PLUGINS_ENV]
         if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
             given["native_attention"] = False
         check_mode(given.get("quantization", "auto"))

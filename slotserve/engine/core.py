@@ -8,6 +8,7 @@ and detokenizes, and talks to it through an EngineCoreClient (engine/core_client
 
 from __future__ import annotations
 
+import importlib
 import logging
 import random
 import time
@@ -95,6 +96,9 @@ class EngineCore:
         weights are in memory), then build every part from the one EngineConfig."""
         import torch
 
+        # Where the core runs, so the utilities a plugin adds to EngineCore exist there too.
+        for plugin in filter(None, (args.plugins or "").split(",")):
+            importlib.import_module(plugin)
         from slotserve.models.kv_storage import resolve_kv_cache_dtype
         from slotserve.models.loader import load_model, parse_dtype
         from slotserve.worker.kv_cache import determine_num_blocks
@@ -211,6 +215,12 @@ class EngineCore:
         """Who holds each worker slot and KV block now (ids and counts, never text)."""
         return snapshot_engine_state(self.scheduler, self.model_runner.slots, self.num_steps,
                                      len(self.scheduler.waiting_for_grammar))
+
+    def get_routing_stats(self, limit: int) -> tuple[list[bytes], int]:
+        """What a prefix-aware router needs of this replica: its newest `limit` cached block
+        hashes (oldest first) and its queue (running + waiting requests)."""
+        hashes = list(self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
+        return hashes[-limit:], len(self.scheduler.running) + len(self.scheduler.waiting)
 
     # ----- the step ---------------------------------------------------------------------------
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from slotserve.config import EngineConfig
 from slotserve.engine.args import EngineArgs
@@ -49,7 +47,6 @@ from slotserve.errors import ConfigError, EngineDeadError
 logger = logging.getLogger(__name__)
 
 EngineMode = Literal["inproc", "thread", "process"]
-T = TypeVar("T")
 
 
 class EngineCoreClient(ABC):
@@ -70,9 +67,9 @@ class EngineCoreClient(ABC):
     async def get_output_async(self) -> EngineCoreOutputs: ...
 
     @abstractmethod
-    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
-        """`fn(engine_core)` between two steps; in process mode `fn` must pickle (an
-        EngineCore method, a module-level function, or a functools.partial of one)."""
+    def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
+        """`EngineCore.<method>(*args)` between two steps (arguments and result pickle in
+        process mode). The core's vocabulary, as the front uses it, is the methods below."""
 
     @property
     @abstractmethod
@@ -89,11 +86,10 @@ class EngineCoreClient(ABC):
 
     def reset_prefix_cache(self, reset_running_requests: bool
                            ) -> concurrent.futures.Future[bool]:
-        return self.call_in_core(functools.partial(
-            EngineCore.reset_prefix_cache, reset_running_requests=reset_running_requests))
+        return self.call_utility("reset_prefix_cache", reset_running_requests)
 
     def get_stats(self) -> concurrent.futures.Future[EngineStats]:
-        return self.call_in_core(EngineCore.get_stats)
+        return self.call_utility("get_stats")
 
 
 def make_client(mode: EngineMode, args: EngineArgs, *,
@@ -128,10 +124,10 @@ class InprocClient(EngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         return self.get_output()
 
-    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         try:
-            future.set_result(fn(self.engine_core))
+            future.set_result(getattr(self.engine_core, method)(*args))
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             future.set_exception(exc)
         return future
@@ -224,8 +220,8 @@ class _BackgroundClient(EngineCoreClient):
     async def get_output_async(self) -> EngineCoreOutputs:
         return await self._inbox.get_async()
 
-    def call_in_core(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    def call_utility(self, method: str, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             if self._dead_error is not None:
                 future.set_exception(EngineDeadError(str(self._dead_error)))
@@ -233,7 +229,7 @@ class _BackgroundClient(EngineCoreClient):
             call_id = self._next_call
             self._next_call += 1
             self._calls[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, fn))
+        self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, args))
         return future
 
     @property

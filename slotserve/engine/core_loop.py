@@ -121,7 +121,8 @@ class EngineCoreLoop:
         elif kind is EngineCoreRequestType.UTILITY:
             call: UtilityCall = payload
             try:
-                self.send(UtilityResult(call.call_id, call.fn(self.core)))
+                self.send(UtilityResult(call.call_id,
+                                        getattr(self.core, call.method)(*call.args)))
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 self.send(UtilityResult(call.call_id, portable(exc), failed=True))
         else:

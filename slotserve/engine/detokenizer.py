@@ -40,8 +40,9 @@ def _invisible_ids(tokenizer: Tokenizer) -> tuple[int, frozenset[int]]:
 
 class IncrementalDetokenizer:
     __slots__ = (
-        "_tokenizer", "_skip_special", "_vocab_size", "_skipped", "_stream", "_pending", "output_text",
-        "_stops", "_max_stop_len", "_include_stop", "_min_tokens", "num_output_tokens",
+        "_tokenizer", "_skip_special", "_vocab_size", "_skipped", "_stream", "_pending",
+        "output_text", "_stops", "_max_stop_len", "_include_stop", "_min_tokens",
+        "num_output_tokens",
     )
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],

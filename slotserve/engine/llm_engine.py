@@ -74,6 +74,8 @@ class LLMEngine:
         path = engine_args.model_path()
         tokenizer_path = engine_args.tokenizer or path
         if mode != "process":
+            # In one process the front loads first: importing transformers on a thread while
+            # the core imports llguidance (which reads transformers' attributes) races.
             model_config = load_model_config(path)
             tokenizer = load_tokenizer(tokenizer_path)
             return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import enum
 import pickle
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from slotserve.core.outputs import EngineCoreOutput
 from slotserve.core.sched_utils import SchedulerStats
 from slotserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from slotserve.engine.core import EngineCore
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -56,11 +52,12 @@ class EngineCoreRequest:
 
 @dataclass(slots=True)
 class UtilityCall:
-    """`fn(engine_core)` run between two steps: an EngineCore method (get_stats,
-    reset_prefix_cache through functools.partial) or, in tests, any function that pickles."""
+    """`EngineCore.<method>(*args)` run between two steps, sent by name as vLLM sends its
+    utilities (the names a front uses: EngineCoreClient; SLOTSERVE_PLUGINS may add some)."""
 
     call_id: int
-    fn: Callable[[EngineCore], Any]
+    method: str
+    args: tuple[Any, ...]
 
 
 @dataclass(slots=True)

@@ -46,18 +46,16 @@ class SeqState:
     def completion(self, kind: RequestOutputKind) -> CompletionOutput:
         done = self.finish_reason is not None
         text = self.detokenizer.visible_text(done)
+        # DELTA: what was not handed out yet; otherwise everything (copies, from 0).
+        sent_tokens, sent_text = ((self.sent_tokens, self.sent_text)
+                                  if kind is RequestOutputKind.DELTA else (0, 0))
+        logprobs = None if self.logprobs is None else self.logprobs[sent_tokens:]
+        out = CompletionOutput(self.index, text[sent_text:], self.token_ids[sent_tokens:],
+                               self.cumulative_logprob, logprobs, self.finish_reason,
+                               self.stop_reason, self.finish_message, self.rejected)
         if kind is RequestOutputKind.DELTA:
-            tokens = self.token_ids[self.sent_tokens:]
-            logprobs = None if self.logprobs is None else self.logprobs[self.sent_tokens:]
-            delta_text = text[self.sent_text:]
             self.sent_tokens, self.sent_text = len(self.token_ids), len(text)
-            return CompletionOutput(self.index, delta_text, tokens, self.cumulative_logprob,
-                                    logprobs, self.finish_reason, self.stop_reason,
-                                    self.finish_message, self.rejected)
-        logprobs = None if self.logprobs is None else list(self.logprobs)
-        return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob,
-                                logprobs, self.finish_reason, self.stop_reason,
-                                self.finish_message, self.rejected)
+        return out
 
 
 @dataclass(slots=True)
@@ -92,12 +90,10 @@ def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
     ms = [s.metrics for s in seqs]
 
     def first(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return min(present) if present else None
+        return min((v for v in values if v is not None), default=None)
 
     def last(values: list[float | None]) -> float | None:
-        present = [v for v in values if v is not None]
-        return max(present) if present else None
+        return max((v for v in values if v is not None), default=None)
 
     finished = last([m.finished_time for m in ms]) if all(s.finished for s in seqs) else None
     return RequestMetrics(

@@ -15,6 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from slotserve.core.request import validate_token_ids
+from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.engine.messages import EngineCoreRequest
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutputKind
@@ -84,27 +85,16 @@ def apply_chat_template(tokenizer: Any, conversation: Conversation,
     return {"prompt": text, "prompt_token_ids": ids}
 
 
-def prompt_byte_bound(tokenizer: Any, max_model_len: int) -> int | None:
+def prompt_byte_bound(tokenizer: Any, max_model_len: int) -> int:
     """Bytes of text beyond which a prompt certainly has more than max_model_len tokens: no
     token spells more bytes than the longest vocabulary entry, and a normalizer shrinks text
     at most 4x (Unicode composition: three Hangul jamo become one syllable). Such text is
-    refused before tokenizing it (a 7 MB prompt takes seconds and a GB to tokenize). None
-    when the tokenizer's vocabulary is not known."""
-    backend = _backend(tokenizer)
-    if backend is None:
-        return None
-    vocab = backend.get_vocab(with_added_tokens=True)
-    if not vocab:
-        return None
-    longest = max(len(token.encode("utf-8", "surrogatepass")) for token in vocab)
+    refused before tokenizing it (a 7 MB prompt takes seconds and a GB to tokenize)."""
+    backend = backend_tokenizer(tokenizer)
+    longest = max((len(token.encode("utf-8", "surrogatepass"))
+                   for token in backend.get_vocab(with_added_tokens=True)), default=1)
     slack = 1 if backend.normalizer is None else 4
     return max_model_len * longest * slack
-
-
-def _backend(tokenizer: Any) -> Any:
-    """The Rust `tokenizers.Tokenizer` behind a transformers tokenizer, if there is one."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    return backend if hasattr(backend, "encode_batch") else None
 
 
 # Client priorities are bounded (the priority policy compares them; nothing else may).
@@ -133,7 +123,7 @@ class Processor:
         self.extra_stop_token_ids: list[int] = list(eos_token_ids[1:])
 
         self.max_prompt_bytes = prompt_byte_bound(tokenizer, max_model_len)
-        self._backend = _backend(tokenizer)
+        self._backend = backend_tokenizer(tokenizer)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text. Text too long for the context is refused before it is
@@ -141,15 +131,13 @@ class Processor:
         does not), so a tokenization on a worker thread never stalls an event loop, and it
         needs no lock (transformers' own encode may change the tokenizer's settings)."""
         self.check_text_size(text)
-        if self._backend is not None:
-            return list(self._backend.encode_batch(
-                [text], add_special_tokens=add_special_tokens)[0].ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._backend.encode_batch([text],
+                                               add_special_tokens=add_special_tokens)[0].ids)
 
     def check_text_size(self, text: str) -> None:
         bound = self.max_prompt_bytes
         # Characters never outnumber UTF-8 bytes: most texts are decided without encoding.
-        if bound is None or len(text) <= bound // 4:
+        if len(text) <= bound // 4:
             return
         size = len(text) if len(text) > bound else len(text.encode("utf-8", "surrogatepass"))
         if size > bound:
@@ -182,24 +170,21 @@ class Processor:
         """Text and token ids of a prompt. An empty one is refused before tokenization (its
         BOS alone would make it look like a prompt) unless `allow_empty` (a session's later
         chunk)."""
+        mapping = isinstance(prompt, Mapping)
         text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
-        ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else None
+        ids = (prompt.get("prompt_token_ids") if isinstance(prompt, Mapping)
+               else prompt if isinstance(prompt, list | tuple) else None)
         if not allow_empty and (_is_empty(ids) or (ids is None and _is_empty(text))):
             raise RequestValidationError("the prompt is empty", "prompt")
-        if isinstance(prompt, str):
-            return prompt, self.tokenize(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                ids = validate_token_ids(prompt["prompt_token_ids"], allow_empty=True)
-                return (text if isinstance(text, str) else None), ids
-            if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.tokenize(prompt["prompt"])
+        if ids is not None or (isinstance(prompt, Mapping) and "prompt_token_ids" in prompt):
+            return (text if mapping and isinstance(text, str) else None), validate_token_ids(
+                ids, allow_empty=True)
+        if isinstance(text, str):
+            return text, self.tokenize(text)
+        if mapping:
             raise RequestValidationError(
                 "a prompt dict needs 'prompt_token_ids' (a list of ints) or 'prompt' (a string)",
                 "prompt")
-        if isinstance(prompt, list | tuple):
-            return None, validate_token_ids(prompt, allow_empty=True)
         raise RequestValidationError(
             f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
             "prompt")

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from slotserve.engine.args import EngineArgs
-from slotserve.engine.core import EngineCore
 from slotserve.engine.core_client import InprocClient
 from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.messages import EngineStats
@@ -340,10 +339,9 @@ class AsyncLLM:
 
     # ----- calls into the core ----------------------------------------------------------------
 
-    async def call_in_engine(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(engine_core)` between two steps and return its result. In process mode
-        `fn` must pickle (a module-level function or a partial of one)."""
-        return await asyncio.wrap_future(self.engine.engine_core.call_in_core(fn))
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """`EngineCore.<method>(*args)` between two steps, by name (EngineCoreClient)."""
+        return await asyncio.wrap_future(self.engine.engine_core.call_utility(method, *args))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return await asyncio.wrap_future(

@@ -89,6 +89,12 @@ def engine_flags(kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
+def usage_error(message: object) -> int:
+    """Say what is wrong with the command line or the engine settings; exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def set_threads(threads: int | None) -> int:
     import torch
 
@@ -104,8 +110,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_kwargs(**engine_kwargs_from_args(args))
         engine_args.model_path()  # a missing folder fails before seconds of torch imports
     except SlotServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     threads = set_threads(args.threads)
     from slotserve.engine.llm_engine import LLMEngine
     from slotserve.engine.processor import PromptType, apply_chat_template
@@ -122,8 +127,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                          [{"role": "user", "content": args.prompt}])
         engine.add_request("cli-0", prompt, params, output_kind=RequestOutputKind.DELTA)
     except SlotServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     out = sys.stdout
     if not args.chat:
         out.write(args.prompt)
@@ -239,18 +243,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Refused before anything starts: an empty key would silently turn authentication off.
     for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
         if key is not None and not key.strip():
-            print(f"error: {flag} (or its environment variable) is empty; give a key or leave "
-                  "it unset", file=sys.stderr)
-            return 2
+            return usage_error(f"{flag} (or its environment variable) is empty; give a key "
+                               "or leave it unset")
     if args.enable_admin_endpoints and not (args.admin_api_key or args.api_key):
-        print("error: --enable-admin-endpoints needs --admin-api-key or --api-key",
-              file=sys.stderr)
-        return 2
+        return usage_error("--enable-admin-endpoints needs --admin-api-key or --api-key")
     try:
         limits = server_limits_from_args(args)
     except SlotServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1 or args.ray_address:
@@ -265,8 +265,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = AsyncLLM.from_engine_args(**engine_kwargs_from_args(args),
                                            engine_mode=args.engine_mode, threads=threads)
     except SlotServeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = build_app(engine, served_model_names=[name], api_key=args.api_key, limits=limits,
                     enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,

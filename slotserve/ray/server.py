@@ -19,7 +19,6 @@ from typing import Any
 
 from ray import serve
 
-from slotserve.engine.core import EngineCore
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
 from slotserve.entrypoints.openai.limits import ServerLimits
@@ -38,17 +37,6 @@ class ReplicaUnavailable(RuntimeError):
     def __init__(self, replica_id: str) -> None:
         super().__init__(f"replica {replica_id}: the engine core has died")
         self.replica_id = replica_id
-
-
-def cached_block_hashes(core: EngineCore, limit: int = MAX_REPORTED_HASHES) -> list[bytes]:
-    """The prefix cache's hashes, newest last (runs inside the engine core, between steps)."""
-    hashes = list(core.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
-    return hashes[-limit:]
-
-
-def queue_length(core: EngineCore) -> int:
-    s = core.scheduler
-    return len(s.running) + len(s.waiting)
 
 
 async def call_asgi(app: Any, method: str, path: str, query: bytes,
@@ -149,8 +137,8 @@ class LLMServer:
     async def record_routing_stats(self) -> dict[str, Any]:
         if self.engine.errored:
             return {"hashes": [], "queue": 0, "metrics": ""}
-        hashes = await self.engine.call_in_engine(cached_block_hashes)
-        queue = await self.engine.call_in_engine(queue_length)
+        hashes, queue = await self.engine.call_utility("get_routing_stats",
+                                                       MAX_REPORTED_HASHES)
         assert self.metrics is not None
         self.metrics.stats = await self.engine.get_stats()
         return {"hashes": hashes, "queue": queue, "metrics": self.metrics.render().decode()}

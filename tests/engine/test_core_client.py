@@ -4,7 +4,6 @@ gets EngineDeadError (streams, utility calls, and whoever calls later)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import time
@@ -15,11 +14,6 @@ import pytest
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.errors import EngineDeadError
 from slotserve.sampling_params import SamplingParams
-
-
-def hold(core: Any, seconds: float) -> None:
-    """Keeps the core busy inside a utility call (module-level: it must pickle)."""
-    time.sleep(seconds)
 
 
 def test_killed_engine_process_fails_every_waiting_caller() -> None:
@@ -36,7 +30,7 @@ def test_killed_engine_process_fails_every_waiting_caller() -> None:
 
         streams = [asyncio.create_task(consume(i)) for i in range(2)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        held = asyncio.ensure_future(llm.call_in_engine(functools.partial(hold, seconds=60)))
+        held = asyncio.ensure_future(llm.call_utility("hold", 60))
         await asyncio.sleep(0.2)  # the core is now inside the call
         pid = llm.engine.engine_core.pid  # type: ignore[attr-defined]
         os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -93,11 +93,12 @@ class Served:
     url: str
     key_url: str
 
-    def call_in_engine(self, fn: Callable[[Any], Any]) -> Any:
-        return self.loop.run(self.engine.call_in_engine(fn))
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """An EngineCore method by name (tests/core_utilities.py adds the tests' own)."""
+        return self.loop.run(self.engine.call_utility(method, *args))
 
     def engine_state(self) -> dict[str, Any]:
-        state = self.call_in_engine(core_state)
+        state = self.call_utility("core_state")
         state.update(self.loop.run(front_state(self.engine)))
         return state
 
@@ -109,19 +110,6 @@ class Served:
             time.sleep(0.05)
             state = self.engine_state()
         return state
-
-
-def core_state(core: Any) -> dict[str, Any]:
-    """What the engine core holds (run in the core: module-level, so it pickles)."""
-    sched = core.scheduler
-    pool = sched.kv_cache_manager.block_pool
-    return {
-        "requests": sorted(sched.requests),
-        "used_blocks": pool.num_usable_blocks - pool.get_num_free_blocks(),
-        "worker_slots": sorted(core.model_runner.slots.holders),
-        "ledger": sorted(sched.slot_ledger.holders),
-        "core_busy": core.has_requests(),
-    }
 
 
 async def front_state(engine: AsyncLLM) -> dict[str, Any]:
@@ -177,14 +165,13 @@ def _serve(loop: LoopThread, mode: str) -> Iterator[Served]:
 
 @pytest.fixture(scope="session")
 def served(loop_thread: LoopThread) -> Iterator[Served]:
-    """The engine loop on a thread: tests may patch the engine with closures."""
+    """The engine loop on a thread."""
     yield from _serve(loop_thread, "thread")
 
 
 @pytest.fixture(scope="session")
 def served_process(loop_thread: LoopThread) -> Iterator[Served]:
-    """The engine loop in a child process (the server default); what is run in the engine
-    (call_in_engine) must pickle."""
+    """The engine loop in a child process (the server default)."""
     yield from _serve(loop_thread, "process")
 
 

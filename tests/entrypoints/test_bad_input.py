@@ -3,7 +3,7 @@ the server still answers a normal request afterwards."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -102,33 +102,19 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 
 
 @pytest.fixture()
-def counted(drained: Served) -> Iterator[tuple[Served, list[str]]]:
-    """Counts every request that reaches the engine core."""
-    seen: list[str] = []
-
-    def patch(core: Any) -> None:
-        add = core.add_request
-
-        def counting_add(request: Any) -> None:
-            seen.append(request.request_id)
-            add(request)
-
-        core.add_request = counting_add
-
-    def unpatch(core: Any) -> None:
-        del core.add_request
-
-    drained.call_in_engine(patch)
+def counted(drained: Served) -> Iterator[tuple[Served, Callable[[], list[str]]]]:
+    """Counts every request that reaches the engine core (`seen()`: their ids so far)."""
+    drained.call_utility("count_added_requests")
     try:
-        yield drained, seen
+        yield drained, lambda: drained.call_utility("counted_requests")
     finally:
-        drained.call_in_engine(unpatch)
+        drained.call_utility("stop_counting_requests")
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"),
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_request(counted: tuple[Served, list[str]], path: str, body: Any, status: int,
-                     param: str | None) -> None:
+def test_bad_request(counted: tuple[Served, Callable[[], list[str]]], path: str, body: Any,
+                     status: int, param: str | None) -> None:
     served, seen = counted
     with httpx.Client(base_url=served.url, timeout=30) as http:
         if isinstance(body, bytes):
@@ -142,11 +128,11 @@ def test_bad_request(counted: tuple[Served, list[str]], path: str, body: Any, st
         assert status in (400, 404, 413) and error["type"] == "invalid_request_error"
         if param is not None:
             assert error["param"] == param, error
-        assert seen == [], "a malformed request reached the engine"
+        assert seen() == [], "a malformed request reached the engine"
         ok = http.post(CMPL, json=cmpl(max_tokens=2, ignore_eos=True))
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == 2
-        assert len(seen) == 1
+        assert len(seen()) == 1
 
 
 def test_unknown_route_and_method(drained: Served) -> None:

@@ -4,7 +4,6 @@ serving (or, when the engine cannot continue, /health turns 503)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -17,53 +16,20 @@ import pytest
 
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
+from tests.core_utilities import POISON
 from tests.entrypoints.conftest import ENGINE_ARGS, MODEL_NAME, LoopThread, Served, start_server
 
 BODY = {"model": MODEL_NAME, "prompt": "Once more unto the breach", "max_tokens": 12,
         "ignore_eos": True, "temperature": 0}
 
 
-# Module-level, so that a process-mode engine can receive them (call_in_engine pickles).
-def install_fault(engine: Any, after: int) -> None:
-    """Make execute_model raise on its `after`-th call from now (0 = the next call)."""
-    runner = engine.model_runner
-    real = runner.execute_model
-    calls = [0]
-
-    def execute_model(scheduler_output: Any, grammar_output: Any = None) -> Any:
-        calls[0] += 1
-        if calls[0] == after + 1:
-            raise RuntimeError("injected fault in the forward pass")
-        return real(scheduler_output, grammar_output)
-
-    runner.execute_model = execute_model
-
-
-def remove_fault(engine: Any) -> None:
-    del engine.model_runner.execute_model
-
-
-def break_scheduler(engine: Any) -> None:
-    scheduler = engine.scheduler
-    real = scheduler.schedule
-
-    def schedule(now: float | None = None) -> Any:
-        # A step that only delivers the last request's releases still succeeds, so the next
-        # request is the one that meets the fault.
-        if scheduler.requests:
-            raise RuntimeError("scheduler state corrupted (injected)")
-        return real(now)
-
-    scheduler.schedule = schedule
-
-
 @pytest.fixture()
 def fault(any_mode: Served) -> Iterator[Any]:
     def arm(after: int) -> None:
-        any_mode.call_in_engine(functools.partial(install_fault, after=after))
+        any_mode.call_utility("install_fault", after)
 
     yield arm
-    any_mode.call_in_engine(remove_fault)
+    any_mode.call_utility("remove_fault")
 
 
 def test_fault_fails_request_with_500_and_engine_goes_on(
@@ -116,7 +82,7 @@ def test_engine_that_cannot_continue_turns_health_503(loop_thread: LoopThread,
         url = server.base_url
         assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 200
 
-        loop_thread.run(engine.call_in_engine(break_scheduler))
+        loop_thread.run(engine.call_utility("break_scheduler"))
         r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
         assert "injected" not in r.text and "corrupted" not in r.text
@@ -157,32 +123,9 @@ def test_killed_engine_process_turns_health_503(loop_thread: LoopThread) -> None
 
 
 # --------------------------------------------------------------------------- isolation
-POISON = 3333  # a prompt token: the fault is tied to the one request whose prompt has it
-
-
-def install_request_fault(engine: Any) -> None:
-    """The worker's forward pass fails whenever the request with the poison token is in the
-    batch (a fault tied to one request, found by the worker running the batch one by one)."""
-    runner = engine.model_runner
-    real = runner._execute
-
-    def execute(so: Any, ids: list[str], grammar_output: Any = None) -> Any:
-        index = runner.slots.req_id_to_index
-        if any(POISON in runner.batch.token_ids[index[r]][:runner.batch.num_tokens[index[r]]]
-               for r in ids):
-            raise RuntimeError("injected fault tied to one request")
-        return real(so, ids, grammar_output)
-
-    runner._execute = execute
-
-
-def remove_request_fault(engine: Any) -> None:
-    del engine.model_runner._execute
-
-
 def test_a_request_fault_fails_only_that_request(any_mode: Served) -> None:
     """Co-batched with the faulty request, every other request completes normally."""
-    any_mode.call_in_engine(install_request_fault)
+    any_mode.call_utility("install_request_fault")
     try:
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=any_mode.url, timeout=60) as http:
@@ -194,7 +137,7 @@ def test_a_request_fault_fails_only_that_request(any_mode: Served) -> None:
 
         responses = asyncio.run(run())
     finally:
-        any_mode.call_in_engine(remove_request_fault)
+        any_mode.call_utility("remove_request_fault")
     assert [r.status_code for r in responses] == [200, 200, 500, 200, 200]
     assert responses[2].json()["error"]["code"] == "model_step_failed"
     for r in responses[:2] + responses[3:]:

@@ -67,7 +67,8 @@ def recorded(loop_thread: LoopThread) -> Iterator[Recorded]:
             pool.num_usable_blocks - pool.get_num_free_blocks())
         return core
 
-    core = loop_thread.run(engine.call_in_engine(record))  # before the first step
+    core = loop_thread.run(engine.call_utility("engine_core"))
+    record(core)  # before the first step
     step = core.step
 
     def recording_step() -> Any:

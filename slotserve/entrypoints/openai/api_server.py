@@ -74,16 +74,11 @@ def slotserve_version() -> str:
         return "0.0.0+unknown"
 
 
-def _authorization(scope: Scope) -> bytes:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            return bytes(value)
-    return b""
-
-
 def key_matches(scope: Scope, key: str) -> bool:
+    given = next((bytes(value) for name, value in scope.get("headers", ())
+                  if name == b"authorization"), b"")
     # Constant time, so the comparison leaks nothing about how much of the key matched.
-    return hmac.compare_digest(_authorization(scope), f"Bearer {key}".encode())
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 class APIKeyMiddleware:
@@ -98,10 +93,8 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path")
-        if scope["type"] not in ("http", "websocket") or path in self._public:
-            await self.app(scope, receive, send)
-            return
-        if key_matches(scope, self._key):
+        if (scope["type"] not in ("http", "websocket") or path in self._public
+                or key_matches(scope, self._key)):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":

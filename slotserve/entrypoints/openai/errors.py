@@ -21,16 +21,11 @@ from slotserve.errors import EngineDeadError, RequestValidationError
 
 logger = logging.getLogger(__name__)
 
-# The `type` strings the OpenAI API uses, so clients map them to the right exception class.
+# The `type` strings the OpenAI API uses, so clients map them to the right exception class
+# (any other status: invalid_request_error).
 _TYPE_BY_STATUS = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -72,10 +67,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_validation_error(exc: RequestValidationError) -> APIError:
-    return bad_request(exc.message, exc.param, exc.code)
-
-
 _SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
@@ -114,7 +105,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestValidationError):
-        return from_validation_error(exc)
+        return bad_request(exc.message, exc.param, exc.code)
     if isinstance(exc, ValidationError):
         return from_pydantic_errors(exc.errors())
     if isinstance(exc, EngineDeadError):

@@ -77,6 +77,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
                                            outputs)
 
+    def _prompt_text(self, p: ProcessedRequest) -> str:
+        """What echo repeats: the prompt's text, or its tokens' when it came as token ids."""
+        return p.prompt if p.prompt is not None else self.engine.detokenize(p.prompt_token_ids)
+
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int, text_offset: int) -> CompletionLogProbs:
         out = CompletionLogProbs()
@@ -102,14 +106,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 states[i * n + c.index].add(c, keep=True)
         choices = []
         for k, st in enumerate(states):
-            p = processed[k // n]
-            prefix = ""
-            if req.echo:
-                prefix = p.prompt if p.prompt is not None else self.engine.detokenize(
-                    p.prompt_token_ids)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = self._logprobs(st.token_ids, st.logprobs, req.logprobs, len(prefix))
+            prefix = self._prompt_text(processed[k // n]) if req.echo else ""
+            logprobs = (self._logprobs(st.token_ids, st.logprobs, req.logprobs, len(prefix))
+                        if req.logprobs is not None else None)
             choices.append(CompletionResponseChoice(
                 index=k, text=prefix + "".join(st.text_parts), logprobs=logprobs,
                 finish_reason=st.finish_reason, stop_reason=st.stop_reason))
@@ -141,9 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = c.text
                 if req.echo and k not in echoed:
                     echoed.add(k)
-                    p = processed[i]
-                    text = (p.prompt if p.prompt is not None else
-                            self.engine.detokenize(p.prompt_token_ids)) + text
+                    text = self._prompt_text(processed[i]) + text
                 finish = None
                 if st.finish_reason is not None and not st.finish_sent:
                     st.finish_sent = True
@@ -151,9 +148,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not text and finish is None and not (req.logprobs is not None
                                                         and c.token_ids):
                     continue
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, st.text_len)
+                logprobs = (self._logprobs(c.token_ids, c.logprobs, req.logprobs, st.text_len)
+                            if req.logprobs is not None else None)
                 st.text_len += len(text)
                 chunk = CompletionStreamResponse(
                     id=request_id, created=created, model=model,

@@ -205,24 +205,22 @@ class ToolCallParser:
         if end is not None:
             self.state = "close"
 
+    def _take(self, literal: str) -> bool:
+        """Consume `literal` (the grammar puts it here) once all of it has arrived."""
+        if len(self.pending) < len(literal):
+            return False
+        assert self.pending.startswith(literal), self.pending
+        self.pending = self.pending[len(literal):]
+        return True
+
     def _on_close(self, delta: ToolCallDelta) -> None:
-        close = self.fmt.call_close
-        if len(self.pending) < len(close):
-            return
-        assert self.pending.startswith(close), self.pending
-        self.pending = self.pending[len(close):]
-        self.calls[-1].complete = True
-        self._call_text = ""
-        self.state = "between"
+        if self._take(self.fmt.call_close):
+            self.calls[-1].complete = True
+            self._call_text, self.state = "", "between"
 
     def _on_between(self, delta: ToolCallDelta) -> None:
-        sep = self.fmt.call_separator
-        if len(self.pending) < len(sep):
-            return
-        assert self.pending.startswith(sep), self.pending
-        self.pending = self.pending[len(sep):]
-        self._call_text = sep
-        self.state = "open"
+        if self._take(self.fmt.call_separator):
+            self._call_text, self.state = self.fmt.call_separator, "open"
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from slotserve.engine.core import EngineCore
 from slotserve.engine.engine_state import SlotState
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.admission import AdmissionController
@@ -104,7 +103,7 @@ def engine_state_router(engine: AsyncLLM, admission: AdmissionController) -> API
     async def engine_state() -> Response:
         if engine.errored:
             return engine_dead(503).response()
-        core = await engine.call_in_engine(EngineCore.get_engine_state)
+        core = await engine.call_utility("get_engine_state")
         front = engine.engine.output_processor
         held = {s.index: s for s in core.held_slots}
         slots = [_slot_json(held.get(i), i) for i in range(core.max_num_seqs)]
