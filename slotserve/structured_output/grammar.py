@@ -40,6 +40,9 @@ def _schema(spec: StructuredOutputsParams) -> dict[str, Any]:
         except ValueError as exc:
             raise RequestValidationError(f"the JSON schema is not valid JSON: {exc}",
                                          "structured_outputs.json") from exc
+        except RecursionError:
+            raise RequestValidationError("the JSON schema nests too deeply",
+                                         "structured_outputs.json") from None
     if not isinstance(schema, dict):
         raise RequestValidationError("a JSON schema must be an object",
                                      "structured_outputs.json")

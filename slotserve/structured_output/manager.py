@@ -120,6 +120,10 @@ class StructuredOutputManager:
             if future is None:
                 future = self._compiler.submit(self._compile, grammar)
                 self._inflight[grammar] = future
+                # Once the future is done, not before: a loop woken earlier would find it
+                # still pending, and with its compile no longer started, no deadline to
+                # wake it again.
+                future.add_done_callback(lambda _: self._progress())
             return future
 
     def _compile(self, grammar: str) -> CompiledGrammar:
@@ -158,7 +162,6 @@ class StructuredOutputManager:
                 self._evict()
             self._inflight.pop(grammar, None)
             self._started.pop(grammar, None)
-        self._progress()
         if isinstance(result, GrammarCompileError):
             message = str(result)
             _failure_log.warning("grammar of %d bytes refused: %s", len(grammar), message)
