@@ -3,7 +3,8 @@ their text, and fills each step's token bitmask.
 
 - `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
   background thread (llguidance drops the GIL while it builds), so the step loop never waits
-  for one; a cached text answers at once. A compile that fails (the parser limits of
+  for one (smallest grammar first: structured_output.compile_queue); a cached text answers
+  at once. A compile that fails (the parser limits of
   structured_output.limits, or a failure within the first token), or takes longer than
   `compile_timeout_s` (from when it starts: the tokenizer, built once on the same thread
   before the first grammar, does not count), fails with GrammarCompileError carrying a
@@ -23,6 +24,7 @@ their text, and fills each step's token bitmask.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -44,6 +46,7 @@ from slotserve.structured_output.backend import (
     GuidanceGrammar,
     allocate_bitmask,
 )
+from slotserve.structured_output.compile_queue import SmallestFirstExecutor
 from slotserve.structured_output.limits import RateLimitedLog
 
 CompiledGrammar = llguidance.LLMatcher
@@ -87,8 +90,7 @@ class StructuredOutputManager:
         self._failures: OrderedDict[int, str] = OrderedDict()
         self._inflight: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
-        self._compiler = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="slotserve-grammar")
+        self._compiler = SmallestFirstExecutor("slotserve-grammar")
         self._filler = (concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="slotserve-bitmask") if overlap else None)
         self._max_num_seqs = max_num_seqs
@@ -118,7 +120,8 @@ class StructuredOutputManager:
                 return done
             future = self._inflight.get(grammar)
             if future is None:
-                future = self._compiler.submit(self._compile, grammar)
+                future = self._compiler.submit(len(grammar),
+                                               functools.partial(self._compile, grammar))
                 self._inflight[grammar] = future
                 # Once the future is done, not before: a loop woken earlier would find it
                 # still pending, and with its compile no longer started, no deadline to
@@ -242,6 +245,6 @@ class StructuredOutputManager:
             self.stats.mask_wait_s += took
 
     def shutdown(self) -> None:
-        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown()
         if self._filler is not None:
             self._filler.shutdown(wait=False, cancel_futures=True)

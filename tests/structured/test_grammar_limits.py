@@ -132,3 +132,25 @@ def test_failure_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, "slotserve.test_limits"):
         logged = sum(log.warning("grammar refused: %s", i) for i in range(100))
     assert logged == 3 and len(caplog.records) == 3
+
+
+def test_small_grammar_compiles_before_waiting_large_ones(backend: GuidanceBackend) -> None:
+    manager = _manager(backend)
+    order: list[str] = []
+    try:
+        texts = {"first": LL.grammar_from_regex("a{100000}"),
+                 "large1": LL.grammar_from_regex("b{20000}[a-z]{3000}"),
+                 "large2": LL.grammar_from_regex("c{20000}[a-z]{3000}"),
+                 "small": LL.grammar_from_regex("(yes|no)")}
+        futures = []
+        for name, text in texts.items():  # submitted in this order, while "first" compiles
+            future = manager.request_grammar(text)
+            future.add_done_callback(lambda _, n=name: order.append(n))
+            futures.append(future)
+        for future in futures:
+            future.result(timeout=300)
+        # In arrival order the small one would come last.
+        assert order.index("small") < order.index("large1")
+        assert order.index("small") < order.index("large2")
+    finally:
+        manager.shutdown()
