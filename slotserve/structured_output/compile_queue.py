@@ -10,6 +10,7 @@ waits (each request's own deadline bounds how long it waits for it).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import heapq
 import itertools
 import threading
@@ -29,12 +30,15 @@ class SmallestFirstExecutor:
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
-    def submit(self, size: int, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[..., T], *args: Any, size: int = 0
+               ) -> concurrent.futures.Future[T]:
+        """fn(*args) once nothing smaller waits (ThreadPoolExecutor's call, plus `size`)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("the compile queue is shut down")
-            heapq.heappush(self._heap, (size, next(self._order), future, fn))
+            call: Callable[[], Any] = functools.partial(fn, *args)
+            heapq.heappush(self._heap, (size, next(self._order), future, call))
             self._cond.notify()
         return future
 

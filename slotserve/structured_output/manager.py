@@ -24,7 +24,6 @@ their text, and fills each step's token bitmask.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
@@ -120,8 +119,7 @@ class StructuredOutputManager:
                 return done
             future = self._inflight.get(grammar)
             if future is None:
-                future = self._compiler.submit(len(grammar),
-                                               functools.partial(self._compile, grammar))
+                future = self._compiler.submit(self._compile, grammar, size=len(grammar))
                 self._inflight[grammar] = future
                 # Once the future is done, not before: a loop woken earlier would find it
                 # still pending, and with its compile no longer started, no deadline to
