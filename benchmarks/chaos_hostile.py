@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import random
 import sys
@@ -99,6 +100,47 @@ class Hostile:
             await self.post(http, "numeric_and_list_garbage",
                             {"prompt": "Hi", "max_tokens": 4, **rng.choice(GARBAGE)})
         await self.every(0.2, one)
+
+    async def grammars(self, http: httpx.AsyncClient) -> None:
+        """Issue 22's grammars: a distinct memory-heavy pattern per request, first-token
+        failures, a 0.9 MB schema, an ambiguous Lark grammar under n=64, a pydantic-style
+        tool with $ref; each must be a 400 or a bounded 200, never a 500."""
+        count = itertools.count(1)
+        big = {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 40 + 1}}}$"}
+            for i in range(12_000)}}
+        addr = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"], "additionalProperties": False}
+        ref_tool = {"type": "function", "function": {"name": "visit", "parameters": {
+            "$defs": {"Addr": addr}, "type": "object", "required": ["home"],
+            "properties": {"home": {"$ref": "#/$defs/Addr"}}}}}
+
+        def so(spec: dict[str, Any], **kw: Any) -> dict[str, Any]:
+            return {"prompt": "Hi", "max_tokens": 16, "user": "grammar",
+                    "structured_outputs": spec, **kw}
+
+        async def memory() -> None:
+            n = next(count)
+            await self.post(http, "grammar_memory_distinct", so({"json": {
+                "type": "string", "pattern": f"^((a{{100}}){{100}}){{{n}}}$"}}))
+
+        async def first_token() -> None:
+            await self.post(http, "grammar_first_token_failure", so(random.choice([
+                {"regex": "a{1000000}"}, {"grammar": 'start: "a"~1000000'},
+                {"grammar": 'start: "a" start'}, {"regex": "((a{50}){50}){50}"}])))
+
+        async def ref_tools() -> None:
+            await self.post(http, "tool_with_ref", {
+                "messages": [{"role": "user", "content": "Hi"}], "tools": [ref_tool],
+                "tool_choice": "required", "max_tokens": 32, "user": "grammar"},
+                "/v1/chat/completions")
+
+        await asyncio.gather(
+            self.every(0.5, memory), self.every(0.5, first_token),
+            self.every(5.0, lambda: self.post(http, "grammar_0.9MB_schema", so({"json": big}))),
+            self.every(5.0, lambda: self.post(http, "grammar_ambiguous_n64", so(
+                {"grammar": 'start: s\ns: s s | "a" | "b"'}, n=64))),
+            self.every(2.0, ref_tools))
 
     async def admin_and_auth(self, http: httpx.AsyncClient) -> None:
         async def one() -> None:
@@ -225,6 +267,7 @@ class Hostile:
                        b"application/json\r\nContent-Length: 1000\r\n\r\n")
             tasks = [
                 self.burst(http), self.garbage(http), self.admin_and_auth(http),
+                self.grammars(http),
                 self.every(3.0, lambda: self.post(http, "prompt_7MB", BIG_PROMPT)),
                 self.every(3.0, lambda: self.post(http, "stop_token_ids_800k", STOP_BOMB)),
                 self.every(3.0, lambda: self.post(

@@ -31,6 +31,14 @@ def _check(cond: bool, message: str, param: str) -> None:
         raise RequestValidationError(message, param)
 
 
+def _check_text(value: object, param: str) -> None:
+    _check(isinstance(value, str) and len(value) > 0, f"{param} must be a non-empty string",
+           param)
+    assert isinstance(value, str)
+    _check(len(value) <= MAX_GRAMMAR_CHARS, f"{param} has {len(value)} characters, more than "
+           f"the limit of {MAX_GRAMMAR_CHARS}", param)
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -70,14 +78,12 @@ class StructuredOutputsParams:
             _check(isinstance(self.json, str | dict),
                    "structured_outputs.json must be a JSON schema (an object or its text)",
                    "structured_outputs.json")
+            if isinstance(self.json, str):
+                _check_text(self.json, "structured_outputs.json")
         if self.regex is not None:
-            _check(isinstance(self.regex, str) and 0 < len(self.regex) <= MAX_GRAMMAR_CHARS,
-                   "structured_outputs.regex must be a non-empty string",
-                   "structured_outputs.regex")
+            _check_text(self.regex, "structured_outputs.regex")
         if self.grammar is not None:
-            _check(isinstance(self.grammar, str) and 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS,
-                   "structured_outputs.grammar must be a non-empty string",
-                   "structured_outputs.grammar")
+            _check_text(self.grammar, "structured_outputs.grammar")
         if self.choice is not None:
             _check(isinstance(self.choice, list | tuple) and 0 < len(self.choice) <= MAX_CHOICES
                    and all(isinstance(c, str) and c for c in self.choice),

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when what is cached changes (the index's fields, what gguf_config.derive_config or the
 # tokenizer builder produce): old entries are then simply not found.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 _HEAD = 16 << 20
 _TAIL = 1 << 20
 _SAMPLES = 32

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
+from slotserve.checkpoint.gguf_checks import check_config, check_positive, check_vocabulary
 from slotserve.checkpoint.gguf_file import GGUFTensorInfo, token_ids_of
 from slotserve.errors import ModelLoadError
 
@@ -29,6 +30,8 @@ GGUF_ARCHITECTURES = {
 END_OF_TURN_TOKENS = frozenset({"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|eom_id|>",
                                 "<|end|>", "<|endoftext|>", "<EOT>"})
 _CONTROL = 3  # llama.cpp token type CONTROL
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+             "tokenizer.ggml.eom_token_id")
 
 
 class _Keys:
@@ -49,6 +52,13 @@ class _Keys:
                                  f"{value!r}, expected one integer")
         return value
 
+    def number(self, name: str, default: float) -> float:
+        value = self.get(name, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ModelLoadError(f"{self.source}: GGUF metadata key {self.arch}.{name} is "
+                                 f"{value!r}, expected one number")
+        return float(value)
+
 
 def derive_config(metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensorInfo],
                   reader: GGUFReader, source: str) -> dict[str, Any]:
@@ -60,10 +70,15 @@ def derive_config(metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensorI
     keys = _Keys(metadata, str(arch), source)
     hidden = keys.int("embedding_length")
     heads = keys.int("attention.head_count")
+    check_positive(source, f"{arch}.embedding_length", hidden)
+    check_positive(source, f"{arch}.attention.head_count", heads)
     head_dim = keys.int("attention.key_length", hidden // heads)
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError(f"{source}: tensor token_embd.weight is missing")
+    special_ids = {key: metadata.get(key) for key in (
+        "tokenizer.ggml.bos_token_id", *_EOS_KEYS)}
+    check_vocabulary(metadata, reader, embed.shape[0], special_ids, source)
     config: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -73,8 +88,8 @@ def derive_config(metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensorI
         "num_attention_heads": heads,
         "num_key_value_heads": keys.int("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": float(keys.get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(keys.get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": keys.number("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": keys.number("rope.freq_base", 10000.0),
         "max_position_embeddings": keys.int("context_length", 2048),
         # The embedding's rows, not the token list: some converters pad one or the other.
         "vocab_size": embed.shape[0],
@@ -83,6 +98,7 @@ def derive_config(metadata: Mapping[str, Any], tensors: Mapping[str, GGUFTensorI
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": _eos_ids(metadata, reader),
     }
+    check_config(config, metadata, tensors, source)
     rope_dims = keys.get("rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim:
         raise ModelLoadError(f"{source}: {arch}.rope.dimension_count={rope_dims} rotates only "
@@ -102,7 +118,7 @@ def _rope_scaling(keys: _Keys, reader: GGUFReader, tensors: Mapping[str, GGUFTen
     kind = keys.get("rope.scaling.type", "none")
     if kind == "linear":
         out["rope_scaling"] = {"rope_type": "linear",
-                               "factor": float(keys.get("rope.scaling.factor", 1.0))}
+                               "factor": keys.number("rope.scaling.factor", 1.0)}
     elif kind != "none":
         raise ModelLoadError(f"{source}: unsupported RoPE scaling {kind!r} (GGUF key "
                              f"{keys.arch}.rope.scaling.type); supported: none, linear")
@@ -132,14 +148,14 @@ def _gemma3(keys: _Keys) -> dict[str, Any]:
 
 def _eos_ids(metadata: Mapping[str, Any], reader: GGUFReader) -> list[int]:
     ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id"):
+    for key in _EOS_KEYS:
         value = metadata.get(key)
         if isinstance(value, int) and value not in ids:
             ids.append(value)
     types = reader.fields.get("tokenizer.ggml.token_type")
     for token_id in sorted(token_ids_of(reader, set(END_OF_TURN_TOKENS)).values()):
-        is_control = types is None or types.parts[types.data[token_id]][0] == _CONTROL
+        is_control = (types is None or token_id >= len(types.data)
+                      or types.parts[types.data[token_id]][0] == _CONTROL)
         if is_control and token_id not in ids:
             ids.append(token_id)
     return ids

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slotserve.checkpoint import cache
+from slotserve.checkpoint.chat_render import check_template_syntax
 from slotserve.checkpoint.chat_templates import fallback_chat_template
 from slotserve.checkpoint.gguf_config import derive_config
 from slotserve.checkpoint.gguf_file import open_gguf
@@ -32,11 +33,15 @@ _NOTES = "slotserve.json"  # special tokens and chat template; what slotserve de
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model path (Hugging Face folder, .gguf file or folder holding one)."""
+    """The tokenizer of a model path (Hugging Face folder, .gguf file or folder holding one).
+    A chat template that is not valid Jinja is a ModelLoadError here, not each client's 400."""
     gguf_path = find_gguf(path)
-    if gguf_path is not None:
-        return load_gguf_tokenizer(gguf_path)
-    return _load_folder_tokenizer(Path(path).expanduser())
+    tokenizer = (load_gguf_tokenizer(gguf_path) if gguf_path is not None
+                 else _load_folder_tokenizer(Path(path).expanduser()))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        check_template_syntax(template, str(gguf_path or path))
+    return tokenizer
 
 
 def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:

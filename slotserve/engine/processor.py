@@ -6,6 +6,7 @@ scheduler, so a rejected request changes nothing in the engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from slotserve.checkpoint.chat_render import ChatRenderer
 from slotserve.core.request import validate_token_ids
 from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.engine.messages import EngineCoreRequest
@@ -57,21 +59,27 @@ def apply_chat_template(tokenizer: Any, conversation: Conversation,
                         chat_template: str | None = None, *,
                         continue_final_message: bool = False,
                         template_kwargs: dict[str, Any] | None = None,
-                        encode: Callable[[str], list[int]] | None = None) -> dict[str, Any]:
+                        encode: Callable[[str], list[int]] | None = None,
+                        render: Callable[..., str] | None = None) -> dict[str, Any]:
     """A conversation -> a prompt dict (text and token ids) through the chat template.
     `encode` tokenizes the text without special tokens (Processor.render_chat passes its
-    own, which refuses text too long for the context before tokenizing it)."""
+    own, which refuses text too long for the context before tokenizing it); `render` renders
+    the template (Processor.render_chat: in a bounded child process, see
+    slotserve.checkpoint.chat_render; else the tokenizer's apply_chat_template here)."""
     if isinstance(conversation, str) or not isinstance(conversation, Sequence) or not all(
             isinstance(m, Mapping) and "role" in m for m in conversation):
         raise RequestValidationError("a conversation is a list of {'role': ..., "
                                      "'content': ...} messages", "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         chat_template = FALLBACK_CHAT_TEMPLATE
+    if render is None:
+        render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
     try:
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in conversation], tokenize=False,
-            add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            continue_final_message=continue_final_message, **(template_kwargs or {}))
+        text = render([dict(m) for m in conversation],
+                      add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                      continue_final_message=continue_final_message, **(template_kwargs or {}))
+    except RequestValidationError:
+        raise
     except TemplateError as exc:  # the template rejected the messages (its own message)
         raise RequestValidationError(f"cannot apply the chat template: {exc}",
                                      "messages") from exc
@@ -124,6 +132,8 @@ class Processor:
 
         self.max_prompt_bytes = prompt_byte_bound(tokenizer, max_model_len)
         self._backend = backend_tokenizer(tokenizer)
+        # Chat templates render in bounded child processes, started on first use.
+        self.chat_renderer = ChatRenderer(tokenizer)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text. Text too long for the context is refused before it is
@@ -153,7 +163,8 @@ class Processor:
         return apply_chat_template(
             self.tokenizer, conversation, add_generation_prompt,
             continue_final_message=continue_final_message, template_kwargs=template_kwargs,
-            encode=lambda text: self.tokenize(text, add_special_tokens=False))
+            encode=lambda text: self.tokenize(text, add_special_tokens=False),
+            render=self.chat_renderer.render)
 
     def tokenize_chunk(self, prompt: str | list[int], first: bool) -> list[int]:
         """A session chunk's tokens: only the session's first chunk starts with BOS and

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from slotserve.errors import SlotServeError
 from slotserve.memory import trim_heap
+from slotserve.structured_output.limits import error_excerpt, parser_limits
 
 
 class GrammarCompileError(SlotServeError):
@@ -42,7 +43,7 @@ class GuidanceGrammar:
         if self._error is not None:
             return False
         if not self.matcher.consume_tokens(tokens):
-            self._error = self.matcher.get_error() or "the grammar rejected a token"
+            self._error = error_excerpt(self.matcher.get_error() or "the grammar rejected a token")
             return False
         self._consumed.extend(tokens)
         return True
@@ -51,7 +52,7 @@ class GuidanceGrammar:
         if num_tokens <= 0:
             return
         if not self.matcher.rollback(num_tokens):
-            self._error = self.matcher.get_error() or "rollback failed"
+            self._error = error_excerpt(self.matcher.get_error() or "rollback failed")
         del self._consumed[-num_tokens:]
 
     def is_terminated(self) -> bool:
@@ -115,12 +116,36 @@ class GuidanceBackend:
 
     def compile(self, grammar: str, limits: llguidance.LLParserLimits | None = None
                 ) -> llguidance.LLMatcher:
-        """A matcher in its initial state, its first mask computed (the lexer builds lazily,
-        and its errors show only then); raises GrammarCompileError."""
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
-        if not matcher.is_error():
-            scratch = allocate_bitmask(1, self.ll_tokenizer.vocab_size)
-            matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-        if matcher.is_error():
-            raise GrammarCompileError(matcher.get_error().strip())
+        """A matcher in its initial state that got through a first step (see
+        `first_step_error`); raises GrammarCompileError with a bounded excerpt of the
+        library's message."""
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0,
+                                       limits=limits or parser_limits())
+        error = (matcher.get_error() if matcher.is_error()
+                 else first_step_error(matcher, self.ll_tokenizer))
+        if error:
+            raise GrammarCompileError(error_excerpt(error))
         return matcher
+
+
+def first_step_error(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer) -> str:
+    """Why the matcher fails within its first token ('' when it does not), leaving it in its
+    initial state. The lexer builds lazily, and llguidance gives up on some grammars only when
+    it computes the first mask or the one after the first token (a regex `a{1000000}`, the
+    empty language `start: "a" start`, counted repetitions nested three deep): caught here,
+    at compile, those are a 400 for their client instead of a failed step."""
+    scratch = allocate_bitmask(1, tokenizer.vocab_size)
+    matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+    if matcher.is_error():
+        return matcher.get_error()
+    bits = np.unpackbits(scratch.view(np.uint8), bitorder="little")[:tokenizer.vocab_size]
+    bits[list(tokenizer.eos_tokens)] = 0  # EOS ends the matcher: a step that proves nothing
+    allowed = np.flatnonzero(bits)
+    if not len(allowed):
+        return ""
+    if matcher.consume_token(int(allowed[0])) and not matcher.is_stopped():
+        matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+    if matcher.is_error():
+        return matcher.get_error()
+    matcher.reset()
+    return ""

@@ -8,14 +8,16 @@ schema, an unsupported regex feature or a broken Lark grammar is a RequestValida
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import llguidance
 
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import StructuredOutputsParams
+from slotserve.structured_output.limits import error_excerpt, parser_limits
 
 
 def json_schema_grammar(schema: dict[str, Any], *, compact: bool = True) -> str:
@@ -38,6 +40,9 @@ def _schema(spec: StructuredOutputsParams) -> dict[str, Any]:
         except ValueError as exc:
             raise RequestValidationError(f"the JSON schema is not valid JSON: {exc}",
                                          "structured_outputs.json") from exc
+        except RecursionError:
+            raise RequestValidationError("the JSON schema nests too deeply",
+                                         "structured_outputs.json") from None
     if not isinstance(schema, dict):
         raise RequestValidationError("a JSON schema must be an object",
                                      "structured_outputs.json")
@@ -66,11 +71,28 @@ def grammar_text(spec: StructuredOutputsParams) -> tuple[str, str]:
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar), "structured_outputs.grammar"
 
 
-@functools.lru_cache(maxsize=1024)
+_VALIDATED: OrderedDict[int, str] = OrderedDict()  # hash of the text -> its complaint
+_VALIDATED_MAX = 1024
+_validated_lock = threading.Lock()
+
+
 def grammar_error(grammar: str) -> str:
     """The library's complaint about a grammar ('' when it is valid), without a tokenizer:
-    syntax, schema and regex features, size limits. Cached: clients resend the same schema."""
-    return llguidance.LLMatcher.validate_grammar(grammar)
+    syntax, schema and regex features, the parser limits the core compiles with, as a bounded
+    excerpt. Remembered by the text's hash (clients resend the same schema; keeping the texts
+    could hold a GB of them)."""
+    key = hash(grammar)
+    with _validated_lock:
+        if key in _VALIDATED:
+            _VALIDATED.move_to_end(key)
+            return _VALIDATED[key]
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
+    error = error_excerpt(error) if error else ""
+    with _validated_lock:
+        _VALIDATED[key] = error
+        while len(_VALIDATED) > _VALIDATED_MAX:
+            _VALIDATED.popitem(last=False)
+    return error
 
 
 def checked_grammar(spec: StructuredOutputsParams) -> str:
@@ -80,5 +102,5 @@ def checked_grammar(spec: StructuredOutputsParams) -> str:
     error = grammar_error(grammar)
     if error:
         raise RequestValidationError(f"invalid {param.rsplit('.', 1)[-1]} constraint: "
-                                     f"{error.strip()}", param)
+                                     f"{error}", param)
     return grammar

@@ -5,10 +5,17 @@ their text, and fills each step's token bitmask.
   scheduler keeps the request WAITING_FOR_GRAMMAR (no slot, no block) until its
   `is_ready()`. `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
   background thread (llguidance drops the GIL while it builds), so the step loop never waits
-  for one; a cached text (success or failure) answers at once. A compile that fails, or takes
-  longer than `compile_timeout_s` (from when it starts: the tokenizer, built once on the
-  same thread before the first grammar, does not count), fails with GrammarCompileError carrying the
-  library's message, and the same text fails the same way afterwards.
+  for one (smallest grammar first: structured_output.compile_queue); a cached text answers
+  at once. A compile that fails (the parser limits of
+  structured_output.limits, or a failure within the first token), or takes longer than
+  `compile_timeout_s` (from when it starts: the tokenizer, built once on the same thread
+  before the first grammar, does not count), fails with GrammarCompileError carrying a
+  bounded excerpt of the library's message.
+- The cache of compiled grammars is bounded in bytes (`max_cached_bytes`, each entry charged
+  what the process grew by while compiling it, at least its text) as well as in entries.
+  Failed grammars stay out of it: only their message is remembered (a short list, so that a
+  client resending one is refused without a compile; not for timeouts, which depend on the
+  load), and the memory their compile took goes back to the system.
 - `grammar_bitmask(requests, scheduler_output)` builds the GrammarOutput of a step: one row
   per request that samples in it and has a grammar, filled from the matchers the scheduler
   advanced. With `overlap=True` the rows are filled on a helper thread while the forward
@@ -33,15 +40,22 @@ import numpy.typing as npt
 from slotserve.core.outputs import GrammarOutput, SchedulerOutput
 from slotserve.core.request import Request
 from slotserve.core.structured_output import StructuredOutputRequest
+from slotserve.memory import resident_bytes, trim_heap
 from slotserve.structured_output.backend import (
     GrammarCompileError,
     GuidanceBackend,
     GuidanceGrammar,
     allocate_bitmask,
 )
+from slotserve.structured_output.compile_queue import SmallestFirstExecutor
+from slotserve.structured_output.limits import RateLimitedLog
 
 CompiledGrammar = llguidance.LLMatcher
 logger = logging.getLogger(__name__)
+_failure_log = RateLimitedLog(logger)
+# Failed grammar texts whose message is remembered (each message is a bounded excerpt; the
+# text is kept only as its hash).
+MAX_REMEMBERED_FAILURES = 256
 
 
 @dataclass(slots=True)
@@ -52,6 +66,8 @@ class StructuredOutputStats:
 
     num_compiled: int = 0
     compile_s: float = 0.0
+    num_failed: int = 0
+    cached_bytes: int = 0
     num_mask_rows: int = 0
     mask_fill_s: float = 0.0
     mask_wait_s: float = 0.0
@@ -60,21 +76,22 @@ class StructuredOutputStats:
 class StructuredOutputManager:
     def __init__(self, backend: GuidanceBackend, max_num_seqs: int, *,
                  compile_timeout_s: float = 10.0, max_cached: int = 512,
-                 overlap: bool = True) -> None:
+                 max_cached_bytes: int = 256 << 20, overlap: bool = True) -> None:
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
         self.max_cached = max_cached
+        self.max_cached_bytes = max_cached_bytes
         self.overlap = overlap
         self.stats = StructuredOutputStats()
         # Called (on the compile thread) when a compile starts and when it ends: wakes an idle
         # step loop, which then knows the compile's deadline, or admits its requests.
         self.on_progress: Callable[[], None] | None = None
         self._started: dict[str, float] = {}
-        self._cache: OrderedDict[str, CompiledGrammar | GrammarCompileError] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[CompiledGrammar, int]] = OrderedDict()
+        self._failures: OrderedDict[int, str] = OrderedDict()
         self._inflight: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
-        self._compiler = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="slotserve-grammar")
+        self._compiler = SmallestFirstExecutor("slotserve-grammar")
         self._filler = (concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="slotserve-bitmask") if overlap else None)
         self._max_num_seqs = max_num_seqs
@@ -92,51 +109,86 @@ class StructuredOutputManager:
     def request_grammar(self, grammar: str) -> concurrent.futures.Future[CompiledGrammar]:
         with self._lock:
             cached = self._cache.get(grammar)
-            if cached is not None:
-                self._cache.move_to_end(grammar)
+            failure = self._failures.get(hash(grammar)) if cached is None else None
+            if cached is not None or failure is not None:
                 done: concurrent.futures.Future[CompiledGrammar] = concurrent.futures.Future()
-                if isinstance(cached, GrammarCompileError):
-                    done.set_exception(cached)
+                if cached is not None:
+                    self._cache.move_to_end(grammar)
+                    done.set_result(cached[0])
                 else:
-                    done.set_result(cached)
+                    assert failure is not None
+                    done.set_exception(GrammarCompileError(failure))
                 return done
             future = self._inflight.get(grammar)
             if future is None:
-                future = self._compiler.submit(self._compile, grammar)
+                future = self._compiler.submit(self._compile, grammar, size=len(grammar))
                 self._inflight[grammar] = future
+                # Once the future is done, not before: a loop woken earlier would find it
+                # still pending, and with its compile no longer started, no deadline to
+                # wake it again.
+                future.add_done_callback(lambda _: self._progress())
             return future
 
     def _compile(self, grammar: str) -> CompiledGrammar:
         result: CompiledGrammar | GrammarCompileError
         start = time.monotonic()
+        timed_out = False
         try:
             self.backend.prepare()  # built once, outside any grammar's time
             start = time.monotonic()
             with self._lock:
                 self._started[grammar] = start
             self._progress()
+            before = resident_bytes()
             result = self.backend.compile(grammar)
+            cost = max(resident_bytes() - before, len(grammar))
         except GrammarCompileError as exc:
             result = exc
         except Exception as exc:  # noqa: BLE001 - a library failure fails this grammar only
             result = GrammarCompileError(f"{type(exc).__name__}: {exc}")
         took = time.monotonic() - start
         if not isinstance(result, GrammarCompileError) and took > self.compile_timeout_s:
+            timed_out = True
             result = GrammarCompileError(
                 f"compiling the grammar took {took:.1f} s, more than the limit of "
                 f"{self.compile_timeout_s:g} s")
         with self._lock:
             self.stats.num_compiled += 1
             self.stats.compile_s += took
-            self._cache[grammar] = result
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+            if isinstance(result, GrammarCompileError):
+                self.stats.num_failed += 1
+                if not timed_out:
+                    self._remember_failure(grammar, str(result))
+            else:
+                self._cache[grammar] = (result, cost)
+                self.stats.cached_bytes += cost
+                self._evict()
             self._inflight.pop(grammar, None)
             self._started.pop(grammar, None)
-        self._progress()
         if isinstance(result, GrammarCompileError):
-            raise result
+            message = str(result)
+            _failure_log.warning("grammar of %d bytes refused: %s", len(grammar), message)
+            del result  # with it the library's temporaries (the matcher of a timed-out compile)
+            trim_heap()
+            raise GrammarCompileError(message)
         return result
+
+    def _remember_failure(self, grammar: str, message: str) -> None:
+        self._failures[hash(grammar)] = message
+        while len(self._failures) > MAX_REMEMBERED_FAILURES:
+            self._failures.popitem(last=False)
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars until the cache is within both bounds (the
+        newest stays even alone over the byte bound: its requests are about to use it)."""
+        evicted = False
+        while len(self._cache) > 1 and (len(self._cache) > self.max_cached or
+                                        self.stats.cached_bytes > self.max_cached_bytes):
+            _, (_, cost) = self._cache.popitem(last=False)
+            self.stats.cached_bytes -= cost
+            evicted = True
+        if evicted:
+            trim_heap()
 
     def _progress(self) -> None:
         if self.on_progress is not None:
@@ -206,7 +258,7 @@ class StructuredOutputManager:
             self.stats.mask_wait_s += took
 
     def shutdown(self) -> None:
-        self._compiler.shutdown(wait=False, cancel_futures=True)
+        self._compiler.shutdown()
         if self._filler is not None:
             self._filler.shutdown(wait=False, cancel_futures=True)
 

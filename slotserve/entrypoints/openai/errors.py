@@ -110,6 +110,8 @@ def from_exception(exc: BaseException) -> APIError:
         return from_pydantic_errors(exc.errors())
     if isinstance(exc, EngineDeadError):
         return engine_dead(503)
+    if isinstance(exc, RecursionError):  # walking a client's deeply nested JSON
+        return bad_request("the request nests too deeply", None, "too_deep")
     return internal_error(exc)
 
 

@@ -16,7 +16,7 @@ from slotserve.entrypoints.openai.protocol_structured import (
     ToolChoice,
 )
 from slotserve.entrypoints.openai.tool_calls import ToolCallFormat, ToolCallParser, check_tools
-from slotserve.sampling_params import StructuredOutputsParams
+from slotserve.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 
 
 def response_constraint(response_format: ResponseFormat | None,
@@ -85,4 +85,8 @@ def tool_context(tools: list[ChatCompletionToolsParam] | None, tool_choice: Tool
         assert choice in ("auto", "required")
         grammar = fmt.grammar(checked, "auto" if choice == "auto" else "required",
                               parallel_tool_calls)
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise bad_request(f"the tools' parameter schemas make a grammar of {len(grammar)} "
+                          f"characters, more than the limit of {MAX_GRAMMAR_CHARS}: send fewer "
+                          "or smaller tools", "tools")
     return ToolContext(template_tools, fmt, StructuredOutputsParams(grammar=grammar))

@@ -73,6 +73,71 @@ def check_tools(tools: list[tuple[str, dict[str, Any] | None]]) -> list[Tool]:
     return out
 
 
+# ----------------------------------------------------------------------------- $ref
+
+_LOCAL_DEFS = ("#/$defs/", "#/definitions/")
+
+
+def hoist_definitions(tool: Tool, definitions: dict[str, Any]) -> dict[str, Any]:
+    """The tool's parameter schema as it must appear inside the calls schema, its local
+    definitions moved into `definitions` (the calls schema's `$defs`).
+
+    A tool schema's local references (`#/$defs/X`, `#/definitions/X`, what pydantic and the
+    OpenAI SDK's `pydantic_function_tool` write; `#` or `#/properties/...` for the schema
+    itself) point into the tool's own document, which is nested under the calls schema and no
+    longer its root. So each definition becomes `$defs/<tool>.<X>` of the calls schema, the
+    schema itself `$defs/<tool>` when something refers to it, and every reference is
+    rewritten to match. A schema without references is returned as it is."""
+    if not _has_ref(tool.parameters):
+        return tool.parameters
+    own = {k: v for k, v in tool.parameters.items() if k not in ("$defs", "definitions")}
+    prefix = f"#/$defs/{tool.name}"
+    for key in ("$defs", "definitions"):
+        for name, sub in (tool.parameters.get(key) or {}).items():
+            definitions[f"{tool.name}.{name}"] = _rewrite_refs(sub, tool.name)
+    if _refers_to_root(tool.parameters):
+        definitions[tool.name] = _rewrite_refs(own, tool.name)
+        return {"$ref": prefix}
+    rewritten: dict[str, Any] = _rewrite_refs(own, tool.name)
+    return rewritten
+
+
+def _has_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("$ref"), str) or any(_has_ref(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_ref(v) for v in node)
+    return False
+
+
+def _refers_to_root(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(_LOCAL_DEFS):
+            return True
+        return any(_refers_to_root(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_refers_to_root(v) for v in node)
+    return False
+
+
+def _rewrite_refs(node: Any, tool_name: str) -> Any:
+    if isinstance(node, list):
+        return [_rewrite_refs(v, tool_name) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rewrite_refs(v, tool_name) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        for local in _LOCAL_DEFS:
+            if ref.startswith(local):
+                out["$ref"] = f"#/$defs/{tool_name}.{ref[len(local):]}"
+                break
+        else:  # the tool's own schema, or a path inside it
+            out["$ref"] = f"#/$defs/{tool_name}{ref[1:]}"
+    return out
+
+
 # ----------------------------------------------------------------------------- parsing
 
 @dataclass(slots=True)
@@ -256,11 +321,15 @@ class ToolCallFormat(ABC):
         return False
 
     def calls_schema(self, tools: list[Tool]) -> dict[str, Any]:
+        definitions: dict[str, Any] = {}
         calls = [{"type": "object",
-                  "properties": {"name": {"const": t.name}, self.args_key: t.parameters},
+                  "properties": {"name": {"const": t.name},
+                                 self.args_key: hoist_definitions(t, definitions)},
                   "required": ["name", self.args_key], "additionalProperties": False}
                  for t in tools]
         schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if definitions:
+            schema = {**schema, "$defs": definitions}
         return {**schema, "x-guidance": CALL_JSON_OPTIONS}
 
     @abstractmethod
