@@ -33,7 +33,10 @@ def client() -> Iterator[OpenAI]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--model",
-           str(gemma_path()), "--port", str(port), "--threads", "1", "--served-model-name",
+           str(gemma_path()), "--port", str(port), "--threads", "1",
+           # the float32-activation kernel: CONTINUATION is the dequantized model's greedy
+           # text; with int8 activations (the default) it diverges after 7 words
+           "--quantization", "exact", "--served-model-name",
            NAME, "--max-model-len", "1024", "--kv-cache-memory", str(256 << 20), "--check",
            "--log-level", "warning"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
