@@ -12,9 +12,9 @@ import pytest
 from gguf import GGUFValue, GGUFValueType, GGUFWriter
 
 from slotserve.checkpoint import load_tokenizer, resolve_checkpoint
+from slotserve.engine.args import DEFAULT_MODEL
 from slotserve.entrypoints import cli
 from slotserve.errors import ModelLoadError
-from tests.checkpoint.conftest import BundledGGUF
 from tests.checkpoint.gguf_convert import Q, to_gguf
 from tests.helpers import build_tiny
 
@@ -69,9 +69,16 @@ def test_bad_metadata_value(tmp_path: Path, key: str, value: object, kind: GGUFV
     assert time.monotonic() - start < 30  # at once: nothing was allocated for the layers
 
 
-def test_tokenizer_without_tokens(tmp_path: Path, bundled_gguf: BundledGGUF) -> None:
-    path = bundled_gguf(Q.Q8_0, "notokens.gguf",
-                        edit=lambda w: w.kv_data[0].pop("tokenizer.ggml.tokens"))
+def test_tokenizer_without_tokens(tmp_path: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    # Written here, not by the bundled_gguf fixture: its folders are named by count, and a
+    # second edited file of the same type in one session would reuse one.
+    hf = LlamaForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    path = tmp_path / "notokens.gguf"
+    to_gguf(hf, path, Q.Q8_0, tokenizer_dir=Path(DEFAULT_MODEL),
+            edit=lambda w: w.kv_data[0].pop("tokenizer.ggml.tokens"))
     with pytest.raises(ModelLoadError, match=r"notokens\.gguf: GGUF metadata key "
                                              r"tokenizer\.ggml\.tokens is missing"):
         load_tokenizer(path)
