@@ -47,15 +47,15 @@ CASES: dict[str, tuple[str, dict[str, Any], Q]] = {
 # would leave attention so little weight in the logits that undoing the q/k permutation
 # wrongly on both sides moved them by 4e-3 only.
 EMBEDDINGS = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q8_0}
-# slotserve keeps the k-quants in blocks and multiplies them in its own kernel: equal to the
-# dequantized matmul up to the order of the float32 sums.
+# slotserve keeps the k-quants in blocks and multiplies them in its own kernel (`exact`:
+# float32 activations): equal to the dequantized matmul up to the order of the float32 sums.
 LOGPROB_TOL = 1e-3
 
 
 def greedy(path: Path) -> ManualScheduler:
     runner = ModelRunner(path, SchedulerConfig(max_num_seqs=4, max_model_len=128),
                          CacheConfig(block_size=4, num_blocks=128), dtype="float32",
-                         device="cpu")
+                         device="cpu", quantization="exact")
     sched = ManualScheduler(block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=3)
     for i, prompt in enumerate(PROMPTS):
