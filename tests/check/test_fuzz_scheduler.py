@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from slotserve.check.events import (

@@ -7,8 +7,7 @@ from typing import Any
 
 from slotserve.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import TOKENIZER_BOS as BOS
-from tests.helpers import TOKENIZER_EOS as EOS
+from tests.helpers import TOKENIZER_BOS as BOS, TOKENIZER_EOS as EOS
 
 TEXT = "Héllo wörld, naïve café. 日本語のテキスト 🎉🚀 To be, or not to be"
 

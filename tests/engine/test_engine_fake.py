@@ -17,8 +17,7 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.errors import EngineDeadError, RequestValidationError
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import TOKENIZER_EOS as EOS
-from tests.helpers import FakeEngineFactory, bounded
+from tests.helpers import TOKENIZER_EOS as EOS, FakeEngineFactory, bounded
 
 
 def prompts_for(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[dict[str, list[int]]]:

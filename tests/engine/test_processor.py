@@ -9,8 +9,7 @@ import pytest
 from slotserve.engine.processor import Processor, apply_chat_template
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams
-from tests.helpers import TOKENIZER_BOS as BOS
-from tests.helpers import TOKENIZER_EOS as EOS
+from tests.helpers import TOKENIZER_BOS as BOS, TOKENIZER_EOS as EOS
 
 
 @pytest.fixture

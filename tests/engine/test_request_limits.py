@@ -20,8 +20,7 @@ from slotserve.sampling_params import (
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
-from tests.helpers import TOKENIZER_EOS as EOS
-from tests.helpers import bounded
+from tests.helpers import TOKENIZER_EOS as EOS, bounded
 
 
 @pytest.fixture
