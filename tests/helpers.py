@@ -86,7 +86,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -411,33 +410,11 @@ class ManualScheduler:
 
 @contextmanager
 def cli_server(args: list[str], timeout_s: float = 180.0) -> Iterator[str]:
-    """`slotserve serve ARGS` on a free port, started as a user starts it: its base URL once
-    /health answers 200; terminated afterwards."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--port", str(port),
-         *args], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"no /health 200 in {timeout_s:g} s"
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    """`slotserve serve ARGS` on a free port, started as a user starts it (serve_process): its
+    base URL once /health answers 200; terminated (SIGTERM) afterwards."""
+    with serve_process(*args, startup_s=timeout_s) as (proc, base):
+        try:
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(30)
