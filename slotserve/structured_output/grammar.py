@@ -17,6 +17,7 @@ import llguidance
 
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import StructuredOutputsParams
+from slotserve.structured_output.budget import check_schema_budget
 from slotserve.structured_output.limits import error_excerpt, parser_limits
 
 
@@ -46,6 +47,7 @@ def _schema(spec: StructuredOutputsParams) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise RequestValidationError("a JSON schema must be an object",
                                      "structured_outputs.json")
+    check_schema_budget(schema, "structured_outputs.json")
     return schema
 
 
@@ -95,12 +97,27 @@ def grammar_error(grammar: str) -> str:
     return error
 
 
+# The last constraints checked, by identity: the API checks a request's constraint on the
+# grammar-check thread, then the processor (on a front thread) finds the text here instead of
+# building it again (0.1 to 1 s for a large schema).
+_CHECKED: OrderedDict[int, tuple[StructuredOutputsParams, str]] = OrderedDict()
+_CHECKED_MAX = 16
+
+
 def checked_grammar(spec: StructuredOutputsParams) -> str:
     """The grammar text of a constraint, or RequestValidationError with the library's
     message naming the field."""
+    with _validated_lock:
+        hit = _CHECKED.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
     grammar, param = grammar_text(spec)
     error = grammar_error(grammar)
     if error:
         raise RequestValidationError(f"invalid {param.rsplit('.', 1)[-1]} constraint: "
                                      f"{error}", param)
+    with _validated_lock:
+        _CHECKED[id(spec)] = (spec, grammar)
+        while len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
     return grammar

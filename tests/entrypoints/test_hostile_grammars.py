@@ -6,7 +6,10 @@ panic, a backtrace, a state dump or our generated grammar. And tools with local 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -20,6 +23,7 @@ from slotserve.entrypoints.openai.protocol_structured import ChatCompletionTools
 from slotserve.entrypoints.openai.structured import tool_context
 from slotserve.entrypoints.openai.tool_calls import HermesFormat
 from slotserve.sampling_params import MAX_GRAMMAR_CHARS
+from slotserve.structured_output.budget import grammar_check_pool
 from tests.entrypoints.conftest import MODEL_NAME, Served
 from tests.entrypoints.test_tool_calls_api import MODEL, client, hermes, llama3  # noqa: F401
 
@@ -145,3 +149,41 @@ def test_self_referencing_tool_schema(tool_server: Served) -> None:
     assert calls or out.choices[0].finish_reason == "length"
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), tree)
+
+
+# ----------------------------------------------------------------------------- validation time
+
+# The chaos benchmark's 0.9 MB schema: llguidance took 6 s (109 s on a loaded machine) to
+# validate it, on the threads that tokenize every request.
+HUGE_SCHEMA = {"type": "object", "properties": {
+    f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 40 + 1}}}$"} for i in range(12_000)}}
+
+
+def test_schema_over_the_budget_is_a_400_at_once(served: Served) -> None:
+    r = post(served, {"structured_outputs": {"json": HUGE_SCHEMA}})
+    assert_clean_400(r, "structured_outputs.json", "12000 properties", "limit")
+    r = post(served, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": HUGE_SCHEMA}}})
+    assert_clean_400(r, "response_format", "properties")
+    tool = {"type": "function", "function": {"name": "f", "parameters": HUGE_SCHEMA}}
+    r = post(served, {"messages": ASK, "tools": [tool], "tool_choice": "required"},
+             "/v1/chat/completions")
+    assert_clean_400(r, "tools", "properties")
+
+
+def test_constraints_are_checked_apart_from_tokenization(served: Served) -> None:
+    # Hold the grammar-check thread: constrained requests wait for it, but they occupy no
+    # thread that tokenizes, so plain requests (more than the front has threads) go on.
+    release = threading.Event()
+    grammar_check_pool().submit(release.wait, 60)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        try:
+            held = [pool.submit(post, served, {"structured_outputs": {"regex": f"(a|b){{{i}}}"}})
+                    for i in range(1, 4)]
+            time.sleep(0.5)
+            plain = [pool.submit(post, served, {}) for _ in range(4)]
+            assert [f.result(timeout=60).status_code for f in plain] == [200] * 4
+            assert not any(f.done() for f in held)
+        finally:
+            release.set()
+        assert [f.result(timeout=60).status_code for f in held] == [200] * 3

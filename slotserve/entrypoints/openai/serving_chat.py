@@ -43,6 +43,7 @@ from slotserve.entrypoints.openai.serving_engine import (
 )
 from slotserve.entrypoints.openai.structured import (
     ToolContext,
+    on_grammar_thread,
     rename_param,
     response_constraint,
     tool_context,
@@ -50,6 +51,8 @@ from slotserve.entrypoints.openai.structured import (
 from slotserve.entrypoints.openai.tool_calls import ToolCallDelta, ToolCallParser, detect_format
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
+from slotserve.sampling_params import StructuredOutputsParams
+from slotserve.structured_output.grammar import checked_grammar
 
 
 def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
@@ -125,13 +128,9 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         request_id = f"chatcmpl-{random_uuid()}"
         await self.precheck(raw, req.user)
-        tools: ToolContext | None = None
 
-        def prepare() -> ProcessedRequest:
-            nonlocal tools
+        def constrain() -> tuple[ToolContext | None, StructuredOutputsParams | None]:
             try:
-                # Tools and constraints are checked here too, off the event loop: checking a
-                # large schema takes a while.
                 tools = tool_context(req.tools, req.tool_choice, req.parallel_tool_calls,
                                      self.tool_format)
                 constraint = response_constraint(req.response_format, req.structured_outputs)
@@ -141,6 +140,22 @@ class OpenAIServingChat(OpenAIServing):
                                           "combined with tool calls (tool_choice 'auto', "
                                           "'required' or a function)", "response_format")
                     constraint = tools.constraint
+                if constraint is not None:
+                    checked_grammar(constraint)
+                return tools, constraint
+            except (RequestValidationError, APIError) as exc:
+                raise rename_param(_chat_param_names(req, from_exception(exc)),
+                                   req.response_format) from exc
+
+        # Tools and constraints are checked on the grammar-check thread (a large schema
+        # takes a while), apart from the threads that template and tokenize.
+        if req.tools or req.response_format is not None or req.structured_outputs is not None:
+            tools, constraint = await on_grammar_thread(constrain)
+        else:
+            tools, constraint = constrain()
+
+        def prepare() -> ProcessedRequest:
+            try:
                 params = req.to_sampling_params(req.requested_max_tokens())
                 if constraint is not None:
                     params = params.clone(structured_outputs=constraint)

@@ -27,9 +27,14 @@ from slotserve.entrypoints.openai.serving_engine import (
     merge_generators,
     sse,
 )
-from slotserve.entrypoints.openai.structured import rename_param, response_constraint
+from slotserve.entrypoints.openai.structured import (
+    on_grammar_thread,
+    rename_param,
+    response_constraint,
+)
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
+from slotserve.structured_output.grammar import checked_grammar
 
 
 def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]
@@ -60,6 +65,14 @@ class OpenAIServingCompletion(OpenAIServing):
         params = req.to_sampling_params(req.max_tokens)
         constraint = response_constraint(req.response_format, req.structured_outputs)
         request_id = f"cmpl-{random_uuid()}"
+        if constraint is not None:
+            def check() -> None:
+                try:
+                    checked_grammar(constraint)
+                except RequestValidationError as exc:
+                    raise rename_param(from_exception(exc), req.response_format) from exc
+
+            await on_grammar_thread(check)
 
         def prepare_all() -> list[ProcessedRequest]:
             try:

@@ -4,8 +4,10 @@ vLLM's `structured_outputs` extra field, or (chat) the grammar of its `tools` an
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from slotserve.entrypoints.openai.errors import APIError, bad_request
 from slotserve.entrypoints.openai.protocol_structured import (
@@ -17,6 +19,17 @@ from slotserve.entrypoints.openai.protocol_structured import (
 )
 from slotserve.entrypoints.openai.tool_calls import ToolCallFormat, ToolCallParser, check_tools
 from slotserve.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
+from slotserve.structured_output.budget import grammar_check_pool
+
+T = TypeVar("T")
+
+
+async def on_grammar_thread(fn: Callable[[], T]) -> T:
+    """fn() on the thread that checks constraints (structured_output.budget), not on the
+    front's threads that tokenize: a large schema's validation holds up only other
+    constraints. The grammar text it builds (`checked_grammar`) is found again, not rebuilt,
+    when the request is processed."""
+    return await asyncio.get_running_loop().run_in_executor(grammar_check_pool(), fn)
 
 
 def response_constraint(response_format: ResponseFormat | None,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from slotserve.errors import RequestValidationError
+from slotserve.structured_output.budget import check_schema_budget
 from slotserve.structured_output.grammar import grammar_error, json_schema_grammar
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -65,6 +66,7 @@ def check_tools(tools: list[tuple[str, dict[str, Any] | None]]) -> list[Tool]:
         if parameters.get("type", "object") != "object":
             raise RequestValidationError(
                 f"{where}.parameters must be a JSON schema of an object", "tools")
+        check_schema_budget(parameters, "tools")
         error = grammar_error(json_schema_grammar(parameters))
         if error:
             raise RequestValidationError(
