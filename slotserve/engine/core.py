@@ -143,7 +143,7 @@ class EngineCore:
                 return
             # The scheduler keeps it WAITING_FOR_GRAMMAR until the compile is done.
             structured_output_request = self.structured_output_manager.make_request(
-                request.grammar)
+                request.grammar, request.client)
         self.observer.add_request(Request(
             rid, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, priority=request.priority,

@@ -48,6 +48,9 @@ class EngineCoreRequest:
     # from sampling_params.structured_outputs); the core compiles it before scheduling. A
     # session's grammar comes with its first chunk and spans all of them.
     grammar: str | None = None
+    # Who sent it (the API's admission key: `user`, else the peer address): the core takes
+    # grammar compiles round-robin over clients. None: an anonymous client (offline use).
+    client: str | None = None
 
 
 @dataclass(slots=True)

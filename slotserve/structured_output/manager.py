@@ -3,14 +3,16 @@ their text, and fills each step's token bitmask.
 
 - `make_request(text)` gives a request its grammar at once, a `CompilingGrammar`: the
   scheduler keeps the request WAITING_FOR_GRAMMAR (no slot, no block) until its
-  `is_ready()`. `request_grammar(text)` returns a future of the compiled grammar. Compiles run on one
-  background thread (llguidance drops the GIL while it builds), so the step loop never waits
-  for one (smallest grammar first: structured_output.compile_queue); a cached text answers
-  at once. A compile that fails (the parser limits of
-  structured_output.limits, or a failure within the first token), or takes longer than
-  `compile_timeout_s` (from when it starts: the tokenizer, built once on the same thread
-  before the first grammar, does not count), fails with GrammarCompileError carrying a
-  bounded excerpt of the library's message.
+  `is_ready()`. `request_grammar(text, client)` returns a future of the compiled grammar.
+  Compiles run on background threads (llguidance drops the GIL while it builds), so the step
+  loop never waits for one, round-robin over the clients the API names, at most one per
+  client at a time (structured_output.compile_queue); a cached text answers at once. A
+  compile that fails (the parser limits of structured_output.limits, or a failure within the
+  first token), or takes longer than `compile_timeout_s`, fails with GrammarCompileError
+  carrying a bounded excerpt of the library's message. A request's own deadline runs from
+  when the core admitted it (or from when the tokenizer, built once before the first
+  grammar, is ready): waiting behind its client's other compiles counts; a compile that no
+  request waits for any more is cancelled before it starts.
 - The cache of compiled grammars is bounded in bytes (`max_cached_bytes`, each entry charged
   what the process grew by while compiling it, at least its text) as well as in entries.
   Failed grammars stay out of it: only their message is remembered (a short list, so that a
@@ -47,7 +49,7 @@ from slotserve.structured_output.backend import (
     GuidanceGrammar,
     allocate_bitmask,
 )
-from slotserve.structured_output.compile_queue import SmallestFirstExecutor
+from slotserve.structured_output.compile_queue import FairCompileExecutor
 from slotserve.structured_output.limits import RateLimitedLog
 
 CompiledGrammar = llguidance.LLMatcher
@@ -86,12 +88,15 @@ class StructuredOutputManager:
         # Called (on the compile thread) when a compile starts and when it ends: wakes an idle
         # step loop, which then knows the compile's deadline, or admits its requests.
         self.on_progress: Callable[[], None] | None = None
-        self._started: dict[str, float] = {}
+        # When the tokenizer became ready: no request's deadline runs before.
+        self.tokenizer_ready_at: float | None = None
+        # Requests waiting for each text's compile (a compile none waits for is cancelled).
+        self._waiters: dict[str, int] = {}
         self._cache: OrderedDict[str, tuple[CompiledGrammar, int]] = OrderedDict()
         self._failures: OrderedDict[int, str] = OrderedDict()
         self._inflight: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
         self._lock = threading.Lock()
-        self._compiler = SmallestFirstExecutor("slotserve-grammar")
+        self._compiler = FairCompileExecutor("slotserve-grammar")
         self._filler = (concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="slotserve-bitmask") if overlap else None)
         self._max_num_seqs = max_num_seqs
@@ -99,14 +104,8 @@ class StructuredOutputManager:
 
     # ----- compiling ---------------------------------------------------------------------------
 
-    def compile_deadline(self, grammar: str) -> float | None:
-        """When a compile that has started must be done (monotonic seconds); None before it
-        starts."""
-        with self._lock:
-            started = self._started.get(grammar)
-        return None if started is None else started + self.compile_timeout_s
-
-    def request_grammar(self, grammar: str) -> concurrent.futures.Future[CompiledGrammar]:
+    def request_grammar(self, grammar: str, client: str = ""
+                        ) -> concurrent.futures.Future[CompiledGrammar]:
         with self._lock:
             cached = self._cache.get(grammar)
             failure = self._failures.get(hash(grammar)) if cached is None else None
@@ -121,7 +120,8 @@ class StructuredOutputManager:
                 return done
             future = self._inflight.get(grammar)
             if future is None:
-                future = self._compiler.submit(self._compile, grammar, size=len(grammar))
+                future = self._compiler.submit(self._compile, grammar, size=len(grammar),
+                                               client=client)
                 self._inflight[grammar] = future
                 # Once the future is done, not before: a loop woken earlier would find it
                 # still pending, and with its compile no longer started, no deadline to
@@ -136,9 +136,9 @@ class StructuredOutputManager:
         try:
             self.backend.prepare()  # built once, outside any grammar's time
             start = time.monotonic()
-            with self._lock:
-                self._started[grammar] = start
-            self._progress()
+            if self.tokenizer_ready_at is None:
+                self.tokenizer_ready_at = start
+                self._progress()  # the loop now knows its requests' deadlines
             before = resident_bytes()
             result = self.backend.compile(grammar)
             cost = max(resident_bytes() - before, len(grammar))
@@ -164,7 +164,7 @@ class StructuredOutputManager:
                 self.stats.cached_bytes += cost
                 self._evict()
             self._inflight.pop(grammar, None)
-            self._started.pop(grammar, None)
+            self._waiters.pop(grammar, None)
         if isinstance(result, GrammarCompileError):
             message = str(result)
             _failure_log.warning("grammar of %d bytes refused: %s", len(grammar), message)
@@ -194,14 +194,30 @@ class StructuredOutputManager:
         if self.on_progress is not None:
             self.on_progress()
 
-    def make_request(self, grammar: str) -> StructuredOutputRequest:
-        """One request's grammar, compiling (or cached) from this moment."""
-        return StructuredOutputRequest(CompilingGrammar(self, grammar))
+    def make_request(self, grammar: str, client: str | None = None) -> StructuredOutputRequest:
+        """One request's grammar, compiling (or cached) from this moment, in the turn of
+        `client` (None: the anonymous client)."""
+        with self._lock:
+            self._waiters[grammar] = self._waiters.get(grammar, 0) + 1
+        return StructuredOutputRequest(CompilingGrammar(self, grammar, client or ""))
+
+    def release(self, grammar: str, future: concurrent.futures.Future[CompiledGrammar]
+                ) -> None:
+        """A request stopped waiting for `grammar`; its compile is cancelled when it has not
+        started and no other request waits for it."""
+        with self._lock:
+            left = self._waiters.get(grammar, 0) - 1
+            if left > 0:
+                self._waiters[grammar] = left
+                return
+            self._waiters.pop(grammar, None)
+            if self._inflight.get(grammar) is future and future.cancel():
+                del self._inflight[grammar]
 
     def next_deadline(self, requests: Iterable[Request]) -> float | None:
-        """The earliest deadline of these waiting requests' compiles that have started."""
-        deadlines = [d for g in _compiling(requests)
-                     if (d := self.compile_deadline(g.text)) is not None]
+        """The earliest deadline of these waiting requests (None before the tokenizer is
+        ready: the manager wakes the loop once it is)."""
+        deadlines = [d for g in _compiling(requests) if (d := g.deadline()) is not None]
         return min(deadlines, default=None)
 
     def wait(self, requests: Iterable[Request], timeout: float) -> None:
@@ -266,29 +282,39 @@ class StructuredOutputManager:
 class CompilingGrammar(GuidanceGrammar):
     """A request's matcher from the moment its grammar is asked for: ready once the compile
     ended (the matcher is then a fresh copy of the compiled one), failed, or ran past the
-    manager's limit (`error` says which, and the scheduler refuses the request)."""
+    manager's limit counted from the request's admission (`error` says which, and the
+    scheduler refuses the request)."""
 
-    __slots__ = ("text", "future", "_manager")
+    __slots__ = ("text", "future", "admitted", "_manager")
 
-    def __init__(self, manager: StructuredOutputManager, text: str) -> None:
+    def __init__(self, manager: StructuredOutputManager, text: str, client: str = "") -> None:
         # The matcher is set once the compile is done: nothing advances it before.
         self._consumed: list[int] = []
         self._error: str | None = None
-        self.text, self.future, self._manager = text, manager.request_grammar(text), manager
+        self.text, self._manager = text, manager
+        self.admitted = time.monotonic()
+        self.future = manager.request_grammar(text, client)
+
+    def deadline(self) -> float | None:
+        ready_at = self._manager.tokenizer_ready_at
+        if ready_at is None:
+            return None
+        return max(self.admitted, ready_at) + self._manager.compile_timeout_s
 
     def is_ready(self) -> bool:
         if self._error is not None or hasattr(self, "matcher"):
             return True
-        if self.future.done():
+        if self.future.done() and not self.future.cancelled():
+            self._manager.release(self.text, self.future)
             try:
                 self.matcher = self.future.result().deep_copy()
             except Exception as exc:  # noqa: BLE001 - GrammarCompileError, or a library failure
                 self._error = f"invalid grammar: {exc}"
             return True
-        deadline = self._manager.compile_deadline(self.text)
+        deadline = self.deadline()
         if deadline is None or time.monotonic() <= deadline:
             return False
-        # The compile goes on, and its text fails at once from then on.
+        self._manager.release(self.text, self.future)
         self._error = ("the grammar was not compiled within the limit of "
                        f"{self._manager.compile_timeout_s:g} s")
         return True

@@ -28,11 +28,14 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from slotserve.entrypoints.openai.errors import APIError
+
+if TYPE_CHECKING:
+    from slotserve.engine.processor import ProcessedRequest
 
 T = TypeVar("T")
 # The window over which the rate at which waiting sequences start is measured.
@@ -297,3 +300,11 @@ def client_key(user: str | None, peer: str | None) -> str:
     if isinstance(user, str) and user:
         return "user:" + user[:MAX_CLIENT_KEY_CHARS]
     return "addr:" + (peer or "unknown")
+
+
+def tag_client(processed: Iterable[ProcessedRequest], client: str) -> None:
+    """Name the client on each of its core requests: the core takes grammar compiles
+    round-robin over clients, so one client's large grammars do not hold up another's."""
+    for p in processed:
+        for r in p.requests:
+            r.client = client

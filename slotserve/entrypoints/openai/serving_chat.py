@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest, Processor
 from slotserve.entrypoints.async_llm import AsyncLLM
-from slotserve.entrypoints.openai.admission import AdmissionController
+from slotserve.entrypoints.openai.admission import AdmissionController, tag_client
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
@@ -172,6 +172,7 @@ class OpenAIServingChat(OpenAIServing):
         # Templating and tokenization happen off the event loop; then the request waits
         # for its turn.
         processed = await self.engine.run_off_loop(prepare)
+        tag_client([processed], self.client_of(raw, req.user))
         ticket = await self.admit(raw, req.user, [processed])
         outputs = merge_generators([self.engine.generate(processed)])
         return await self.respond_admitted(raw, req, (processed, tools), request_id, model,

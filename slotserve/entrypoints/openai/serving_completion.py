@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from slotserve.core.outputs import LogprobsEntry
 from slotserve.engine.processor import ProcessedRequest
+from slotserve.entrypoints.openai.admission import tag_client
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -85,6 +86,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         # Tokenization happens off the event loop; then the request waits for its turn.
         processed = await self.engine.run_off_loop(prepare_all)
+        tag_client(processed, self.client_of(raw, req.user))
         ticket = await self.admit(raw, req.user, processed)
         outputs = merge_generators([self.engine.generate(p) for p in processed])
         return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
