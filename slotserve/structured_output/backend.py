@@ -55,6 +55,11 @@ class GuidanceGrammar:
             self._error = error_excerpt(self.matcher.get_error() or "rollback failed")
         del self._consumed[-num_tokens:]
 
+    def refuse(self, message: str) -> None:
+        """Fail this matcher: the next token it is given is refused with `message`."""
+        if self._error is None:
+            self._error = message
+
     def is_terminated(self) -> bool:
         return self._error is None and self.matcher.is_stopped()
 

@@ -20,7 +20,11 @@ their text, and fills each step's token bitmask.
   load), and the memory their compile took goes back to the system.
 - `grammar_bitmask(requests, scheduler_output)` builds the GrammarOutput of a step: one row
   per request that samples in it and has a grammar, filled from the matchers the scheduler
-  advanced. With `overlap=True` the rows are filled on a helper thread while the forward
+  advanced. Each client's rows may take `mask_budget_s` of a step together (docs/
+  STRUCTURED_OUTPUTS.md, "Mask-time budget"): past it, its costliest rows' requests are
+  refused after this step (their grammar fails, and the scheduler ends them with an error),
+  so one client's ambiguous grammar under n=64 cannot slow every other stream's step.
+  Requests without a client (offline use) are never refused. With `overlap=True` the rows are filled on a helper thread while the forward
   pass runs (the engine's default when the model runs on an accelerator); the worker waits
   for them just before sampling.
 """
@@ -58,6 +62,10 @@ _failure_log = RateLimitedLog(logger)
 # Failed grammar texts whose message is remembered (each message is a bounded excerpt; the
 # text is kept only as its hash).
 MAX_REMEMBERED_FAILURES = 256
+# What one client's grammar masks may take of a step (all its rows together). A JSON schema's
+# mask for a 262k vocabulary takes 0.1-1 ms; an ambiguous Lark grammar's grows with every
+# token (n=64 of `s: s s | "a" | "b"` took 80 ms per step).
+DEFAULT_MASK_BUDGET_S = 0.01
 
 
 @dataclass(slots=True)
@@ -71,6 +79,7 @@ class StructuredOutputStats:
     num_failed: int = 0
     cached_bytes: int = 0
     num_mask_rows: int = 0
+    num_mask_refused: int = 0
     mask_fill_s: float = 0.0
     mask_wait_s: float = 0.0
 
@@ -78,12 +87,14 @@ class StructuredOutputStats:
 class StructuredOutputManager:
     def __init__(self, backend: GuidanceBackend, max_num_seqs: int, *,
                  compile_timeout_s: float = 10.0, max_cached: int = 512,
-                 max_cached_bytes: int = 256 << 20, overlap: bool = True) -> None:
+                 max_cached_bytes: int = 256 << 20, overlap: bool = True,
+                 mask_budget_s: float | None = DEFAULT_MASK_BUDGET_S) -> None:
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
         self.max_cached = max_cached
         self.max_cached_bytes = max_cached_bytes
         self.overlap = overlap
+        self.mask_budget_s = mask_budget_s
         self.stats = StructuredOutputStats()
         # Called (on the compile thread) when a compile starts and when it ends: wakes an idle
         # step loop, which then knows the compile's deadline, or admits its requests.
@@ -199,7 +210,7 @@ class StructuredOutputManager:
         `client` (None: the anonymous client)."""
         with self._lock:
             self._waiters[grammar] = self._waiters.get(grammar, 0) + 1
-        return StructuredOutputRequest(CompilingGrammar(self, grammar, client or ""))
+        return StructuredOutputRequest(CompilingGrammar(self, grammar, client))
 
     def release(self, grammar: str, future: concurrent.futures.Future[CompiledGrammar]
                 ) -> None:
@@ -265,13 +276,48 @@ class StructuredOutputManager:
     def _fill(self, rows: list[tuple[str, GuidanceGrammar]],
               bitmask: npt.NDArray[np.int32]) -> None:
         start = time.perf_counter()
+        # A row's cost is the CPU time of this thread (llguidance fills it here): a loaded
+        # machine that preempts the thread makes no grammar look costly.
+        last = time.thread_time()
+        spent: dict[str, list[tuple[float, CompilingGrammar]]] = {}
         for i, (_, grammar) in enumerate(rows):
             grammar.fill_bitmask(bitmask, i)
+            now = time.thread_time()
+            if isinstance(grammar, CompilingGrammar) and grammar.client is not None:
+                spent.setdefault(grammar.client, []).append((now - last, grammar))
+            last = now
         took = time.perf_counter() - start
+        if self.mask_budget_s is not None:
+            for costs in spent.values():
+                self._enforce_mask_budget(costs, self.mask_budget_s)
         self.stats.num_mask_rows += len(rows)
         self.stats.mask_fill_s += took
         if self._filler is None:
             self.stats.mask_wait_s += took
+
+    def _enforce_mask_budget(self, costs: list[tuple[float, CompilingGrammar]],
+                             budget_s: float) -> None:
+        """One client's costliest rows, until the rest fit its budget for a step, are over
+        it: the second time a row is, its request is refused (a one-off spike, the lexer
+        building states for a new part of a large schema, is not)."""
+        total = sum(took for took, _ in costs)
+        if total <= budget_s:
+            return
+        for took, grammar in sorted(costs, key=lambda c: c[0], reverse=True):
+            if total <= budget_s:
+                break
+            total -= took
+            grammar.mask_strikes += 1
+            if grammar.mask_strikes < 2:
+                continue
+            grammar.refuse(
+                f"the grammar is too costly to follow: its token mask took {took * 1e3:.1f} "
+                f"ms of one step, over its client's budget of {budget_s * 1e3:g} ms per step "
+                "(an ambiguous grammar, or too many constrained sequences at once)")
+            self.stats.num_mask_refused += 1
+            _failure_log.warning("a constrained request refused: its mask took %.1f ms of a "
+                                 "step, its client's %d rows over the budget", took * 1e3,
+                                 len(costs))
 
     def shutdown(self) -> None:
         self._compiler.shutdown()
@@ -285,15 +331,17 @@ class CompilingGrammar(GuidanceGrammar):
     manager's limit counted from the request's admission (`error` says which, and the
     scheduler refuses the request)."""
 
-    __slots__ = ("text", "future", "admitted", "_manager")
+    __slots__ = ("text", "future", "admitted", "client", "mask_strikes", "_manager")
 
-    def __init__(self, manager: StructuredOutputManager, text: str, client: str = "") -> None:
+    def __init__(self, manager: StructuredOutputManager, text: str, client: str | None = None
+                 ) -> None:
         # The matcher is set once the compile is done: nothing advances it before.
         self._consumed: list[int] = []
         self._error: str | None = None
         self.text, self._manager = text, manager
-        self.admitted = time.monotonic()
-        self.future = manager.request_grammar(text, client)
+        self.admitted, self.client = time.monotonic(), client
+        self.mask_strikes = 0
+        self.future = manager.request_grammar(text, client or "")
 
     def deadline(self) -> float | None:
         ready_at = self._manager.tokenizer_ready_at
