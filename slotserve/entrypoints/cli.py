@@ -113,7 +113,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return usage_error(exc)
     threads = set_threads(args.threads)
     from slotserve.engine.llm_engine import LLMEngine
-    from slotserve.engine.processor import PromptType, apply_chat_template
+    from slotserve.engine.processor import PromptType
     from slotserve.outputs import RequestOutputKind
     from slotserve.sampling_params import SamplingParams
 
@@ -123,8 +123,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         engine = LLMEngine.from_engine_args(engine_args)
         prompt: PromptType = args.prompt
         if args.chat:
-            prompt = apply_chat_template(engine.tokenizer,
-                                         [{"role": "user", "content": args.prompt}])
+            # The model file's template renders within the server's bounds (a child process
+            # bounded in time and memory), as the server renders it.
+            prompt = engine.processor.render_chat([{"role": "user", "content": args.prompt}])
         engine.add_request("cli-0", prompt, params, output_kind=RequestOutputKind.DELTA)
     except SlotServeError as exc:
         return usage_error(exc)

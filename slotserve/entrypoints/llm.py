@@ -77,14 +77,23 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or
-        to a list of conversations, through the tokenizer's chat template."""
+        to a list of conversations, through the tokenizer's chat template (or
+        `chat_template`), rendered within the server's bounds: a ChatTemplateError
+        (RequestValidationError, param "messages") past them."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise RequestValidationError("messages must be a non-empty list of messages "
                                          "or of conversations", "messages")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        # Rendered as the server renders them: in a child process bounded in time, memory
+        # and output size (slotserve.checkpoint.chat_render), so a hostile template in a
+        # model file cannot hang or exhaust this process either.
+        processor = self.llm_engine.processor
         prompts: list[PromptType] = [
             apply_chat_template(self.llm_engine.tokenizer, conv,  # type: ignore[arg-type]
-                                add_generation_prompt, chat_template)
+                                add_generation_prompt, chat_template,
+                                encode=lambda text: processor.tokenize(
+                                    text, add_special_tokens=False),
+                                render=processor.chat_renderer.render)
             for conv in conversations]
         return self._generate(prompts, sampling_params, use_tqdm)
 
