@@ -12,18 +12,27 @@ schemas then wait for each other, not every plain request for them.
 
 from __future__ import annotations
 
-import concurrent.futures
+import importlib
+import re
 import threading
 from typing import Any
 
 from slotserve.errors import RequestValidationError
+from slotserve.structured_output.compile_queue import FairCompileExecutor
+from slotserve.structured_output.limits import MAX_LEXER_STATES
+
+# The stdlib's regex parser (what `re` compiles with; untyped, Python 3.11+).
+sre_parse: Any = importlib.import_module("re._parser")
 
 # Subschemas (JSON objects) in one schema; real API schemas have tens to a few hundred.
 MAX_SCHEMA_NODES = 5_000
 # Properties of one object schema (the superlinear part of llguidance's work).
 MAX_OBJECT_PROPERTIES = 1_000
+# Longest regex whose counted repetitions are measured (parsing takes ~4 us a character).
+MAX_PARSED_PATTERN_CHARS = 10_000
+_COUNTED = re.compile(r"\{\s*\d")
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool: FairCompileExecutor | None = None
 _pool_lock = threading.Lock()
 
 
@@ -39,6 +48,9 @@ def check_schema_budget(schema: Any, param: str) -> None:
                 raise RequestValidationError(
                     f"the JSON schema has more than {MAX_SCHEMA_NODES} subschemas, the limit",
                     param)
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                check_regex_budget(pattern, param)
             props = node.get("properties")
             if isinstance(props, dict) and len(props) > MAX_OBJECT_PROPERTIES:
                 raise RequestValidationError(
@@ -49,12 +61,56 @@ def check_schema_budget(schema: Any, param: str) -> None:
             stack.extend(node)
 
 
-def grammar_check_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that checks constraints (llguidance drops the GIL while it validates),
-    apart from the front's threads that parse and tokenize."""
+def check_regex_budget(pattern: str, param: str) -> None:
+    """RequestValidationError when every match of `pattern` needs more counted repetitions
+    than the lexer may have states (`^((a{100}){100}){100}$`: 10^6 characters, each a state
+    of its own): llguidance would build lexer states for 10-16 s before it gives up. Read
+    with Python's regex parser (Python code, holding the GIL: only patterns with a counted
+    repetition, up to MAX_PARSED_PATTERN_CHARS); a pattern it does not read is left to
+    llguidance."""
+    if len(pattern) > MAX_PARSED_PATTERN_CHARS or not _COUNTED.search(pattern):
+        return
+    try:
+        tree = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return
+    if _min_length(list(tree), MAX_LEXER_STATES) > MAX_LEXER_STATES:
+        raise RequestValidationError(
+            f"every match of the regex {pattern[:60]!r} needs more than {MAX_LEXER_STATES} "
+            "characters of counted repetitions, more than the grammar library's lexer may "
+            "follow", param)
+
+
+def _min_length(items: list[Any], cap: int) -> int:
+    """The shortest match's length (capped just above `cap`), iteratively enough: nesting
+    is as deep as the pattern's groups."""
+    total = 0
+    for op, arg in items:
+        name = str(op)
+        if name in ("LITERAL", "NOT_LITERAL", "ANY", "IN", "CATEGORY", "RANGE"):
+            total += 1
+        elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, _, sub = arg
+            if low:
+                total += low * _min_length(list(sub), cap)
+        elif name == "SUBPATTERN":
+            total += _min_length(list(arg[-1]), cap)
+        elif name == "ATOMIC_GROUP":
+            total += _min_length(list(arg), cap)
+        elif name == "BRANCH":
+            total += min((_min_length(list(b), cap) for b in arg[1]), default=0)
+        if total > cap:
+            return cap + 1
+    return total
+
+
+def grammar_check_pool() -> FairCompileExecutor:
+    """The threads that check constraints (llguidance drops the GIL while it validates),
+    apart from the front's threads that parse and tokenize: two, at most one per client at
+    a time, round-robin over clients, so one client's large schemas do not hold up another
+    client's small regex here either."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="slotserve-grammar-check")
+            _pool = FairCompileExecutor("slotserve-grammar-check")
         return _pool

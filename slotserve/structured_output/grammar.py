@@ -17,7 +17,7 @@ import llguidance
 
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import StructuredOutputsParams
-from slotserve.structured_output.budget import check_schema_budget
+from slotserve.structured_output.budget import check_regex_budget, check_schema_budget
 from slotserve.structured_output.limits import error_excerpt, parser_limits
 
 
@@ -65,6 +65,7 @@ def grammar_text(spec: StructuredOutputsParams) -> tuple[str, str]:
         return json_schema_grammar({"type": "object"}, compact=compact), \
             "structured_outputs.json_object"
     if spec.regex is not None:
+        check_regex_budget(spec.regex, "structured_outputs.regex")
         return llguidance.LLMatcher.grammar_from_regex(spec.regex), "structured_outputs.regex"
     if spec.choice is not None:
         lark = "start: " + " | ".join(lark_string(c) for c in spec.choice)

@@ -87,7 +87,7 @@ class StructuredOutputStats:
 class StructuredOutputManager:
     def __init__(self, backend: GuidanceBackend, max_num_seqs: int, *,
                  compile_timeout_s: float = 10.0, max_cached: int = 512,
-                 max_cached_bytes: int = 256 << 20, overlap: bool = True,
+                 max_cached_bytes: int = 128 << 20, overlap: bool = True,
                  mask_budget_s: float | None = DEFAULT_MASK_BUDGET_S) -> None:
         self.backend = backend
         self.compile_timeout_s = compile_timeout_s
@@ -300,7 +300,7 @@ class StructuredOutputManager:
         """One client's costliest rows, until the rest fit its budget for a step, are over
         it: the second time a row is, its request is refused (a one-off spike, the lexer
         building states for a new part of a large schema, is not)."""
-        total = sum(took for took, _ in costs)
+        total = spent = sum(took for took, _ in costs)
         if total <= budget_s:
             return
         for took, grammar in sorted(costs, key=lambda c: c[0], reverse=True):
@@ -311,13 +311,14 @@ class StructuredOutputManager:
             if grammar.mask_strikes < 2:
                 continue
             grammar.refuse(
-                f"the grammar is too costly to follow: its token mask took {took * 1e3:.1f} "
-                f"ms of one step, over its client's budget of {budget_s * 1e3:g} ms per step "
-                "(an ambiguous grammar, or too many constrained sequences at once)")
+                f"the grammar is too costly to follow: the token masks of its client's "
+                f"{len(costs)} constrained sequences took {spent * 1e3:.1f} ms of one step "
+                f"(this one's {took * 1e3:.1f} ms), over the budget of {budget_s * 1e3:g} ms "
+                "per client and step (an ambiguous grammar, or too many constrained "
+                "sequences at once)")
             self.stats.num_mask_refused += 1
-            _failure_log.warning("a constrained request refused: its mask took %.1f ms of a "
-                                 "step, its client's %d rows over the budget", took * 1e3,
-                                 len(costs))
+            _failure_log.warning("a constrained request refused: its client's %d masks took "
+                                 "%.1f ms of a step", len(costs), spent * 1e3)
 
     def shutdown(self) -> None:
         self._compiler.shutdown()

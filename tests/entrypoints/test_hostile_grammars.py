@@ -49,14 +49,18 @@ def assert_clean_400(r: httpx.Response, param: str, *words: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("constraint", [
-    {"grammar": 'start: "a"~100000'},
-    {"grammar": 'start: "a" start'},
-    {"regex": "a{1000000}"},
+@pytest.mark.parametrize(("constraint", "param"), [
+    ({"grammar": 'start: "a"~100000'}, "structured_outputs"),
+    ({"grammar": 'start: "a" start'}, "structured_outputs"),
+    # Refused before llguidance sees it (the validation budget), at once.
+    ({"regex": "a{1000000}"}, "structured_outputs.regex"),
+    ({"json": {"type": "string", "pattern": "^((a{100}){100}){100}$"}},
+     "structured_outputs.json"),
 ])
-def test_first_token_failure_is_a_400(served: Served, constraint: dict[str, Any]) -> None:
+def test_first_token_failure_is_a_400(served: Served, constraint: dict[str, Any],
+                                      param: str) -> None:
     r = post(served, {"structured_outputs": constraint})
-    assert_clean_400(r, "structured_outputs", "grammar")
+    assert_clean_400(r, param, "grammar")
     # The engine goes on, and the next plain request is served.
     assert post(served, {}).status_code == 200
 
@@ -172,10 +176,11 @@ def test_schema_over_the_budget_is_a_400_at_once(served: Served) -> None:
 
 
 def test_constraints_are_checked_apart_from_tokenization(served: Served) -> None:
-    # Hold the grammar-check thread: constrained requests wait for it, but they occupy no
-    # thread that tokenizes, so plain requests (more than the front has threads) go on.
+    # Hold this client's turn on the grammar-check threads: its constrained requests wait
+    # for it, but they occupy no thread that tokenizes, so plain requests (more than the
+    # front has threads) go on.
     release = threading.Event()
-    grammar_check_pool().submit(release.wait, 60)
+    grammar_check_pool().submit(release.wait, 60, client="addr:127.0.0.1")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         try:
             held = [pool.submit(post, served, {"structured_outputs": {"regex": f"(a|b){{{i}}}"}})

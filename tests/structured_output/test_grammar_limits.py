@@ -64,7 +64,8 @@ def test_engine_refuses_first_token_failure_as_invalid(fake_engine: FakeEngineFa
         with pytest.raises(RequestValidationError) as info:
             llm.generate("To be", SamplingParams(max_tokens=4, structured_outputs=spec),
                          use_tqdm=False)
-        assert info.value.param == "structured_outputs"
+        # (The regex is refused before the core, by the validation budget.)
+        assert (info.value.param or "").startswith("structured_outputs")
         assert len(str(info.value)) < MAX_ERROR_CHARS + 100
     out = llm.generate("To be", SamplingParams(max_tokens=3), use_tqdm=False)
     assert out[0].outputs[0].finish_reason == "length"

@@ -150,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         # Tools and constraints are checked on the grammar-check thread (a large schema
         # takes a while), apart from the threads that template and tokenize.
         if req.tools or req.response_format is not None or req.structured_outputs is not None:
-            tools, constraint = await on_grammar_thread(constrain)
+            tools, constraint = await on_grammar_thread(constrain, self.client_of(raw, req.user))
         else:
             tools, constraint = constrain()
 

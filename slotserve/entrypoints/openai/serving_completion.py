@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 except RequestValidationError as exc:
                     raise rename_param(from_exception(exc), req.response_format) from exc
 
-            await on_grammar_thread(check)
+            await on_grammar_thread(check, self.client_of(raw, req.user))
 
         def prepare_all() -> list[ProcessedRequest]:
             try:

@@ -24,12 +24,12 @@ from slotserve.structured_output.budget import grammar_check_pool
 T = TypeVar("T")
 
 
-async def on_grammar_thread(fn: Callable[[], T]) -> T:
-    """fn() on the thread that checks constraints (structured_output.budget), not on the
-    front's threads that tokenize: a large schema's validation holds up only other
-    constraints. The grammar text it builds (`checked_grammar`) is found again, not rebuilt,
-    when the request is processed."""
-    return await asyncio.get_running_loop().run_in_executor(grammar_check_pool(), fn)
+async def on_grammar_thread(fn: Callable[[], T], client: str) -> T:
+    """fn() on the threads that check constraints (structured_output.budget), in `client`'s
+    turn, not on the front's threads that tokenize: a large schema's validation holds up only
+    its own client's other constraints. The grammar text it builds (`checked_grammar`) is
+    found again, not rebuilt, when the request is processed."""
+    return await asyncio.wrap_future(grammar_check_pool().submit(fn, client=client))
 
 
 def response_constraint(response_format: ResponseFormat | None,

@@ -1,0 +1,195 @@
+"""Issue 22's time targets: one client's grammars cost other clients little. Against one
+`slotserve serve` (bundled model, engine core in a child process), three same-run pairs:
+
+1. front: a plain completion's latency (p50 / p99 / max; a closed loop, max_tokens 1)
+   alone, then while four clients send large JSON schemas (one in flight each, 0.5 s
+   apart: 1,000 optional properties, within the validation budget, and the 0.9 MB one of
+   12,000, over it).
+   Target: p99 within 2x.
+2. compiles: another client's small grammar (a distinct regex each time, max_tokens 2),
+   alone, then while one client keeps four large grammars queued. Target: under 1 s.
+3. masks: a streamed completion's inter-token latency p99 while one `n=64` request runs
+   without a grammar, then under the ambiguous Lark grammar `start: s` / `s: s s | "a" |
+   "b"`, repeated. Target: within 2x.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grammar_isolation.py [--seconds 20]
+        [--rounds 3] [--json out.json]
+
+Medians over --rounds of each measure, and each round's ratio; say the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from serve_bench import serving  # noqa: E402
+
+from slotserve.entrypoints.cli import add_engine_arguments  # noqa: E402
+
+LARGE = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
+HUGE = {"type": "object", "properties": {
+    f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 40 + 1}}}$"} for i in range(12_000)}}
+AMBIGUOUS = 'start: s\ns: s s | "a" | "b"'
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+async def until(deadline: float, fn: Callable[[], Awaitable[Any]]) -> None:
+    while time.monotonic() < deadline:
+        await fn()
+
+
+async def plain_latencies(http: httpx.AsyncClient, seconds: float) -> list[float]:
+    out: list[float] = []
+    deadline = time.monotonic() + seconds
+
+    async def one() -> None:
+        t = time.monotonic()
+        r = await http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1,
+                                                     "user": "plain"})
+        if r.status_code == 200:
+            out.append(time.monotonic() - t)
+        await asyncio.sleep(0.05)
+
+    await until(deadline, one)
+    return out
+
+
+async def front(http: httpx.AsyncClient, seconds: float) -> dict[str, float]:
+    alone = await plain_latencies(http, seconds)
+    deadline = time.monotonic() + seconds
+    count = iter(range(10**9))
+
+    async def schema(i: int) -> None:
+        big = dict(LARGE, description=f"{i}-{next(count)}") if i % 2 else HUGE  # distinct
+        await http.post("/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 2, "user": f"schemas-{i}",
+            "structured_outputs": {"json": big}})
+        await asyncio.sleep(0.5)  # four in flight at most, not a flood of 0.9 MB bodies
+
+    loaded, *_ = await asyncio.gather(
+        plain_latencies(http, seconds),
+        *(until(deadline, lambda i=i: schema(i)) for i in range(4)))
+    return {"alone_p50_ms": pct(alone, 50) * 1e3, "alone_p99_ms": pct(alone, 99) * 1e3,
+            "loaded_p50_ms": pct(loaded, 50) * 1e3, "loaded_p99_ms": pct(loaded, 99) * 1e3,
+            "loaded_max_ms": max(loaded, default=float("nan")) * 1e3,
+            "p99_ratio": pct(loaded, 99) / pct(alone, 99)}
+
+
+async def light_grammar(http: httpx.AsyncClient, seconds: float, tag: str) -> list[float]:
+    out: list[float] = []
+    deadline = time.monotonic() + seconds
+    count = iter(range(10**9))
+
+    async def one() -> None:
+        t = time.monotonic()
+        r = await http.post("/v1/completions", json={
+            "prompt": "Yes or no?", "max_tokens": 2, "user": "light",
+            "structured_outputs": {"regex": f"(yes|no){{1,{next(count) + 2}}}{tag}"}})
+        if r.status_code == 200:
+            out.append(time.monotonic() - t)
+        await asyncio.sleep(0.2)
+
+    await until(deadline, one)
+    return out
+
+
+async def compiles(http: httpx.AsyncClient, seconds: float, round_: int) -> dict[str, float]:
+    alone = await light_grammar(http, seconds, f"A{round_}")
+    deadline = time.monotonic() + seconds
+    count = iter(range(10**9))
+
+    async def heavy() -> None:
+        await http.post("/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 2, "user": "heavy",
+            "structured_outputs": {"regex": f"a{{{100_000 + next(count)}}}x{round_}"}})
+
+    loaded, *_ = await asyncio.gather(light_grammar(http, seconds, f"B{round_}"),
+                                      *(until(deadline, heavy) for _ in range(4)))
+    return {"alone_p50_s": pct(alone, 50), "alone_max_s": max(alone, default=float("nan")),
+            "loaded_p50_s": pct(loaded, 50), "loaded_max_s": max(loaded, default=float("nan"))}
+
+
+async def stream_itl(http: httpx.AsyncClient, deadline: float) -> list[float]:
+    gaps: list[float] = []
+    while time.monotonic() < deadline:
+        last = None
+        async with http.stream("POST", "/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True,
+                "stream": True, "user": "streamer"}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+    return gaps
+
+
+async def masks(http: httpx.AsyncClient, seconds: float) -> dict[str, float]:
+    result: dict[str, float] = {}
+    for name, extra in (("free", {}), ("ambiguous", {"structured_outputs": {
+            "grammar": AMBIGUOUS}})):
+        deadline = time.monotonic() + seconds
+
+        async def wide(extra: dict[str, Any] = extra) -> None:
+            await http.post("/v1/completions", json={
+                "prompt": "Hi", "max_tokens": 64, "n": 64, "ignore_eos": True,
+                "user": "wide", **extra})
+
+        gaps, *_ = await asyncio.gather(stream_itl(http, deadline), until(deadline, wide))
+        result[f"{name}_itl_p99_ms"] = pct(gaps, 99) * 1e3
+    result["itl_p99_ratio"] = result["ambiguous_itl_p99_ms"] / result["free_itl_p99_ms"]
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_arguments(p)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
+    p.add_argument("--json", default=None)
+    p.set_defaults(max_num_seqs=80, threads=1)
+    args = p.parse_args()
+    args.url, args.api_key = None, None
+    rounds: list[dict[str, dict[str, float]]] = []
+    with serving(args) as url:
+        async def one_round(i: int) -> dict[str, dict[str, float]]:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+                await plain_latencies(http, 3)  # warm-up
+                return {"front": await front(http, args.seconds),
+                        "compiles": await compiles(http, args.seconds, i),
+                        "masks": await masks(http, args.seconds)}
+
+        for i in range(args.rounds):
+            rounds.append(asyncio.run(one_round(i)))
+            print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
+    medians = {part: {k: statistics.median(r[part][k] for r in rounds)
+                      for k in rounds[0][part]} for part in rounds[0]}
+    report = {"rounds": rounds, "medians": medians, "loadavg": os.getloadavg()}
+    print(json.dumps({"medians": medians, "loadavg": report["loadavg"]}, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
