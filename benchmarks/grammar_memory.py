@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -64,7 +65,7 @@ def main() -> int:
             outcomes[f"served ({out[0].outputs[0].finish_reason})"] += 1
         except RequestValidationError as exc:
             refusal_s.append(time.perf_counter() - t)
-            outcomes["refused: " + str(exc)[:70]] += 1
+            outcomes["refused: " + re.sub(r"\d+", "N", str(exc))[:90]] += 1
         if n % 10 == 0 or n == args.num:
             mb = resident_bytes() / 2**20
             samples.append((n, mb))
