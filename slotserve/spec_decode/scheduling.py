@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.core.request import Request
 from slotserve.spec_decode.config import SpeculativeConfig
@@ -66,6 +67,14 @@ class SpecDecodeScheduler:
             return SuffixProposer(self.cache, c.suffix_decoding_max_tree_depth,
                                   c.suffix_decoding_max_spec_factor)
         return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def stats_fields(self) -> dict[str, Any]:
+        """SchedulerStats' spec_decode_* fields."""
+        s = self.stats
+        return {"spec_decode_num_drafts": s.num_drafts,
+                "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": tuple(s.accepted_per_pos)}
 
     # ------------------------------------------------------------------ schedule()
     def propose(self, r: Request, budget: int, max_model_len: int, num_reqs: int,
