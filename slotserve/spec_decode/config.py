@@ -14,7 +14,7 @@ METHODS: tuple[str, ...] = ("ngram", "suffix")
 
 
 def _fail(field: str, message: str) -> ConfigError:
-    return ConfigError(f"speculative_config.{field}: {message}", f"speculative_config.{field}")
+    return ConfigError(f"speculative_config.{field}: {message}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +72,9 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"speculative_config is not valid JSON: {exc}",
-                                  "speculative_config") from None
+                raise ConfigError(f"speculative_config: not valid JSON: {exc}") from None
         if not isinstance(value, dict):
-            raise ConfigError("speculative_config must be a JSON object (a dict)",
-                              "speculative_config")
+            raise ConfigError("speculative_config: must be a JSON object (a dict)")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

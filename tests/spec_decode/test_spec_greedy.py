@@ -17,9 +17,9 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.entrypoints.llm import LLM
+from slotserve.sampling_params import SamplingParams
 from slotserve.spec_decode.config import SpeculativeConfig
 from slotserve.worker.model_runner import ModelRunner
-from slotserve.sampling_params import SamplingParams
 from tests.tiny_models import TinyModel
 
 NEW = 24
