@@ -465,9 +465,7 @@ class Scheduler:
                 drafts = spec_tokens.get(req_id)
                 self.spec.on_output(r, drafts, generated)
                 if drafts and status == RUNNING:
-                    # Rejected drafts roll the optimistic cursor back: what is computed ends
-                    # before the last kept token, as after a plain decode step.
-                    r.num_computed_tokens = r.num_tokens - 1
+                    self.spec.roll_back(r)  # the rejected drafts were counted computed
             new_tokens = generated if n_new == len(generated) else generated[:n_new]
             lp = logprobs[i] if logprobs is not None else None
             if lp is not None:

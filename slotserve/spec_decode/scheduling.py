@@ -129,6 +129,11 @@ class SpecDecodeScheduler:
             self.cost.observe(self._step_tokens, time.perf_counter() - self._step_start)
             self._step_measurable = False
 
+    def roll_back(self, r: Request) -> None:
+        """After verification: what is computed ends before the last kept token, as after a
+        plain decode step (the optimistic advance counted every draft)."""
+        r.num_computed_tokens = r.num_tokens - 1
+
     def on_output(self, r: Request, drafts: list[int] | None, generated: list[int]) -> None:
         """Verification's result for r: `generated` is the accepted drafts plus one token."""
         st = self.states.get(r.request_id)
