@@ -94,3 +94,33 @@ def test_suffix_greedy_equal_every_architecture(tiny_model: TinyModel) -> None:
     got, stats = run_core(str(tiny_model.path), prompts, SUFFIX)
     assert got == ref
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_penalties_logprobs_stops_act_on_accepted_tokens(tiny_llama: SimpleNamespace) -> None:
+    """Penalties and min_tokens see the drafts before each position as outputs; logprobs
+    come for each kept token; a stop token among accepted drafts ends the request there."""
+    prompts = copy_prompts(300)
+    ref_llm = LLM(tiny_llama.path, dtype="float32", device="cpu", check=True, num_blocks=160)
+    spec_llm = LLM(tiny_llama.path, dtype="float32", device="cpu", check=True, num_blocks=160,
+                   speculative_config=NGRAM)
+    plain = ref_llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    # A token each greedy output produces mid-way becomes a stop token (with min_tokens).
+    stop = [o.outputs[0].token_ids[NEW // 2] for o in plain]
+    for extra in ({"repetition_penalty": 1.3, "logprobs": 2},
+                  {"frequency_penalty": 0.4, "presence_penalty": 0.2, "logprobs": 0},
+                  {"min_tokens": 6}):
+        params = [SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[s],
+                                 **extra) for s in stop]  # type: ignore[arg-type]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        ref = ref_llm.generate(inputs, params)
+        got = spec_llm.generate(inputs, params)
+        for a, b in zip(ref, got, strict=True):
+            ra, rb = a.outputs[0], b.outputs[0]
+            assert rb.token_ids == ra.token_ids and rb.finish_reason == ra.finish_reason
+            if ra.logprobs is not None:
+                assert rb.logprobs is not None and len(rb.logprobs) == len(rb.token_ids)
+                for ea, eb in zip(ra.logprobs, rb.logprobs, strict=True):
+                    assert ea.keys() == eb.keys()
+                    assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+    stats = spec_llm.llm_engine.engine_core.engine_core.scheduler.make_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
