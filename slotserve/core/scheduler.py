@@ -423,7 +423,6 @@ class Scheduler:
             self._fail_requests(model_runner_output.failed)
         outputs = self.pending_outputs
         self.pending_outputs = []
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         if self.spec is not None:
             self.spec.step_done()
         sampled = model_runner_output.sampled_token_ids
@@ -461,11 +460,8 @@ class Scheduler:
                 if check_stop(r, max_model_len):
                     stopped = True
                     break
-            if self.spec is not None:
-                drafts = spec_tokens.get(req_id)
-                self.spec.on_output(r, drafts, generated)
-                if drafts and status == RUNNING:
-                    self.spec.roll_back(r)  # the rejected drafts were counted computed
+            if self.spec is not None:  # counts acceptance, rolls rejected drafts back
+                self.spec.on_output(r, scheduler_output, generated, status == RUNNING)
             new_tokens = generated if n_new == len(generated) else generated[:n_new]
             lp = logprobs[i] if logprobs is not None else None
             if lp is not None:

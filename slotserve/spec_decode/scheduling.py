@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve.core.outputs import SchedulerOutput
 from slotserve.core.request import Request
 from slotserve.spec_decode.config import SpeculativeConfig
 from slotserve.spec_decode.policy import (
@@ -134,8 +135,13 @@ class SpecDecodeScheduler:
         plain decode step (the optimistic advance counted every draft)."""
         r.num_computed_tokens = r.num_tokens - 1
 
-    def on_output(self, r: Request, drafts: list[int] | None, generated: list[int]) -> None:
-        """Verification's result for r: `generated` is the accepted drafts plus one token."""
+    def on_output(self, r: Request, so: SchedulerOutput, generated: list[int],
+                  running: bool) -> None:
+        """Verification's result for r: `generated` is the accepted drafts plus one token;
+        `running`: r was still running when the output came (not preempted meanwhile)."""
+        drafts = so.scheduled_spec_decode_tokens.get(r.request_id)
+        if drafts and running:
+            self.roll_back(r)
         st = self.states.get(r.request_id)
         if not drafts:
             if st is not None and st.shadow is not None:
