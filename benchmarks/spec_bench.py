@@ -134,6 +134,29 @@ def run_llamacpp(args: argparse.Namespace, c: int, prompts: list[list[int]],
     return {"tok_s": out["output_throughput"]}
 
 
+def proposer_cost(n_tokens: int = 2000, k: int = 4) -> None:
+    """Microseconds per proposal as a sequence grows token by token (incremental indexing
+    included), on random tokens with a repeated passage."""
+    import random
+
+    from slotserve.spec_decode.proposers import GlobalSuffixCache, NgramProposer, SuffixProposer
+
+    rng = random.Random(0)
+    base = [rng.randrange(1000) for _ in range(n_tokens // 2)]
+    tokens = base + base
+    cache = GlobalSuffixCache(100)
+    for _ in range(20):
+        cache.add([rng.randrange(1000) for _ in range(200)])
+    for name, p in (("ngram", NgramProposer(2, 4)), ("suffix", SuffixProposer(cache, 24, 1.0))):
+        seq: list[int] = []
+        t = time.perf_counter()
+        for tok in tokens:  # the request's token list grows in place, as in the engine
+            seq.append(tok)
+            p.propose(seq, k)
+        dt = time.perf_counter() - t
+        print(f"{name}: {dt / len(tokens) * 1e6:.1f} us per proposal over {len(tokens)} steps")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the Gemma package's)")
@@ -147,7 +170,12 @@ def main() -> int:
     p.add_argument("--llamacpp", action="store_true",
                    help="add llama-server rows (none, ngram-simple, ngram-mod) at c=1 copying")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--proposer-cost", action="store_true",
+                   help="only time the proposers (microseconds per proposal)")
     args = p.parse_args()
+    if args.proposer_cost:
+        proposer_cost()
+        return 0
     args.model = args.model or gemma_file()
     copy = tokenize(args.model, COPY_PROMPTS)
     specs: dict[str, dict[str, Any] | None] = {"off": None}
