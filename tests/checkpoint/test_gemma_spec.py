@@ -49,9 +49,9 @@ def generate(loaded: tuple[Path, Any, Any, Any], spec: dict[str, Any] | None,
              prompts: list[str], **kwargs: Any) -> tuple[list[list[int]], Any]:
     gemma, model, cfg, tokenizer = loaded
     kwargs.setdefault("num_blocks", 256)
+    kwargs.setdefault("max_model_len", 1024)
     args = EngineArgs.from_kwargs(model=str(gemma), dtype="float32", device="cpu", check=True,
-                                  seed=0, max_model_len=1024, speculative_config=spec,
-                                  **kwargs)
+                                  seed=0, speculative_config=spec, **kwargs)
     config = args.create_engine_config(cfg.max_position_embeddings, kwargs["num_blocks"])
     runner = ModelRunner((model, cfg), config.scheduler_config, config.cache_config,
                          dtype="float32", device="cpu", seed=0)
@@ -71,7 +71,7 @@ def reference(loaded: tuple[Path, Any, Any, Any]) -> list[list[int]]:
     (NGRAM, {}),
     (SUFFIX, {}),
     (NGRAM, {"max_num_batched_tokens": 64}),
-    (NGRAM, {"num_blocks": 56, "max_num_batched_tokens": 256}),
+    (NGRAM, {"num_blocks": 56, "max_num_batched_tokens": 256, "max_model_len": 800}),
 ], ids=["one-by-one", "batched", "suffix-batched", "budget-64", "preemption"])
 def test_greedy_equal_with_speculation(loaded: tuple[Path, Any, Any, Any],
                                        reference: list[list[int]], spec: dict[str, Any],
