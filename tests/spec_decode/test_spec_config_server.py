@@ -67,7 +67,8 @@ def test_server_speculates_and_reports_metrics() -> None:
     from openai import OpenAI
 
     spec = json.dumps({**SPEC, "adaptive": False})
-    with cli_server(["--threads", "1", "--speculative-config", spec, "--check"]) as base:
+    with cli_server(["--threads", "1", "--speculative-config", spec, "--check"],
+                    timeout_s=400) as base:
         client = OpenAI(base_url=f"{base}/v1", api_key="x")
         model = client.models.list().data[0].id
         # The bundled model's greedy continuation repeats its stage directions.
