@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from slotserve.errors import ConfigError
+from slotserve.spec_decode.config import SpeculativeConfig
 
 # --quantization: "auto" keeps a GGUF file's quantized weights where a native kernel runs
 # them (models/quantization.py) and multiplies them with 8-bit activations as llama.cpp does;
@@ -60,6 +61,8 @@ class SchedulerConfig:
     # At most this many idle sessions keep their slot and KV; beyond it the least important,
     # longest-idle ones give theirs up at once (None: no cap but max_num_seqs).
     max_idle_sessions: int | None = None
+    # Speculative decoding without a draft model (spec_decode/); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

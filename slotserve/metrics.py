@@ -74,6 +74,12 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().", "busy_s"),
     ("engine_loop_busy_cpu_seconds", "CPU seconds the engine loop thread spent inside step().",
      "busy_cpu_s"),
+    # Speculative decoding (vLLM's names; acceptance by position below).
+    ("spec_decode_num_drafts", "Proposals verified (one per request and step with drafts).",
+     "spec_decode_num_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_decode_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "spec_decode_num_accepted_tokens"),
 )
 
 
@@ -98,6 +104,14 @@ class _EngineStatsCollector(Collector):
             metric = family(PREFIX + suffix, doc, labels=["model_name"])
             metric.add_metric([self._owner.model_name], float(value))
             yield metric
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos if stats is not None else ()
+        if per_pos:
+            pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the proposal.",
+                                      labels=["model_name", "position"])
+            for i, n in enumerate(per_pos):
+                pos.add_metric([self._owner.model_name, str(i)], float(n))
+            yield pos
 
 
 class ServerMetrics:

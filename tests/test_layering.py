@@ -18,14 +18,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slotserve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Shared records every layer may use.
     ("base", ("slotserve.errors", "slotserve.config", "slotserve.sampling_params",
-              "slotserve.memory", "slotserve.model_config")),
+              "slotserve.memory", "slotserve.model_config", "slotserve.spec_decode.config")),
     # The scheduler-to-worker messages (DESIGN.md section 2): the contract between the two
     # layers sits beneath both, so the worker reads it without importing the scheduler.
     ("contract", ("slotserve.core.outputs",)),
     ("checkpoint", ("slotserve.checkpoint",)),
     ("models", ("slotserve.models",)),
     ("worker", ("slotserve.worker",)),
-    ("core", ("slotserve.core",)),
+    # Speculative decoding's proposers and draft bookkeeping are the scheduler's (pure Python).
+    ("core", ("slotserve.core", "slotserve.spec_decode")),
     ("check", ("slotserve.check",)),
     # The replica routing policy: block hashes with the core's function, no Ray, no torch.
     ("routing", ("slotserve.routing",)),

@@ -175,7 +175,11 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
         _ranks(h.slots.req_id_to_index, rid),
         # update_from_output and a failed step read only the scheduled ids of an output.
         tuple([(tuple([rid[r] for r in out.num_scheduled_tokens]),
-                tuple([rid[r] for r in samplers])) for out, samplers in h.in_flight]),
+                tuple([rid[r] for r in samplers]),
+                # and the drafts it verifies (the rollback reads them)
+                tuple(sorted([(rid[r], tuple(d))
+                              for r, d in out.scheduled_spec_decode_tokens.items()])))
+               for out, samplers in h.in_flight]),
         tuple([rid[r] for r in h.open_sessions]),
         now >= sessions.next_timeout_check,
     )

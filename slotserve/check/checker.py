@@ -16,6 +16,11 @@ InvariantViolation naming the request and the rule the moment they disagree:
   idle session past its grace period holds one;
 - each request's grammar has consumed exactly the output tokens the request kept (a
   session's: its earlier chunks' kept outputs, then the current chunk's);
+- speculative decoding: drafts only for a scheduled decoding request (its one token plus
+  at most k drafts, all counted in its scheduled tokens and so in the budget); computed may
+  run past the tokens by the drafts only; no block is hashed over a token that is not
+  accepted (a request's hashed blocks lie within its tokens); after verification a request
+  has computed exactly the tokens before its last (the rejected drafts rolled back);
 - once everything has finished, no block is in use and no slot is held.
 """
 
@@ -95,6 +100,9 @@ class InvariantChecker:
         total = 0
         bs = sched.block_size
         kv = sched.kv_cache_manager
+        drafts = out.scheduled_spec_decode_tokens
+        if drafts:
+            self._check_drafts(out)
         for rid, n in scheduled.items():
             if n <= 0:
                 _fail("tokens", f"request {rid!r} is scheduled {n} tokens")
@@ -104,7 +112,7 @@ class InvariantChecker:
                 _fail("state", f"scheduled request {rid!r} is not RUNNING ({r!r})")
             assert r is not None
             # num_computed_tokens was advanced optimistically by schedule().
-            if r.num_computed_tokens > r.num_tokens:
+            if r.num_computed_tokens > r.num_tokens + len(drafts.get(rid, ())):
                 _fail("tokens", f"request {rid!r} computes past its tokens: {r!r}")
             if r.num_computed_tokens > sched.max_model_len:
                 _fail("max_model_len", f"request {rid!r} goes past max_model_len: {r!r}")
@@ -136,6 +144,37 @@ class InvariantChecker:
         if self.num_steps % self.full_block_scan_every == 0:
             self.check_blocks()
         self.check_grammars()
+
+    def _check_drafts(self, out: SchedulerOutput) -> None:
+        sched = self.scheduler
+        spec = sched.spec
+        k = spec.k if spec is not None else 0
+        kv = sched.kv_cache_manager
+        for rid, d in out.scheduled_spec_decode_tokens.items():
+            n = out.num_scheduled_tokens.get(rid)
+            if n is None or not d or len(d) > k:
+                _fail("drafts", f"request {rid!r}: {len(d)} drafts (k={k}) with {n} tokens "
+                      "scheduled")
+            assert n is not None
+            r = sched.requests[rid]
+            # The optimistic advance has run: computed = the request's tokens + its drafts.
+            if n != 1 + len(d) or r.num_computed_tokens != r.num_tokens + len(d):
+                _fail("drafts", f"request {rid!r}: {len(d)} drafts but {n} tokens scheduled "
+                      f"for {r!r} (a draft step verifies the last token and its drafts)")
+            if kv.num_cached_block.get(rid, 0) * sched.block_size > r.num_tokens:
+                _fail("draft hashed", f"request {rid!r}: {kv.num_cached_block[rid]} blocks "
+                      f"hashed, past its {r.num_tokens} accepted tokens")
+
+    def on_update(self, out: SchedulerOutput) -> None:
+        """After update_from_output: a verified request rolled its rejected drafts back."""
+        requests = self.scheduler.requests
+        for rid in out.scheduled_spec_decode_tokens:
+            r = requests.get(rid)
+            if (r is not None and r.status == RequestStatus.RUNNING
+                    and r.num_computed_tokens != r.num_tokens - 1):
+                _fail("draft rollback", f"request {rid!r} verified its drafts but computed "
+                      f"{r.num_computed_tokens} of {r.num_tokens} tokens (rejected drafts must "
+                      "roll back)")
 
     def check_grammars(self) -> None:
         """Every matcher advanced with exactly the tokens its request kept: none missed,

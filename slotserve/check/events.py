@@ -263,12 +263,17 @@ class Update:
         if not h.in_flight:
             return
         requests = h.sched.requests
+        out, samplers = h.in_flight[0]
+        drafts = out.scheduled_spec_decode_tokens
         per_request = []
-        for rid in h.in_flight[0][1]:
+        for rid in samplers:
             r = requests.get(rid)
             # A request that is gone ignores its token: one outcome is enough.
             live = r is not None and r.status in (RUNNING, PREEMPTED)
-            per_request.append([(t,) for t in m.outcomes] if live else [(TOKEN,)])
+            # A request verifying drafts accepts 0..k of them, then samples one token.
+            d = tuple(drafts.get(rid, ())) if live else ()
+            per_request.append([d[:a] + (t,) for a in range(len(d) + 1) for t in m.outcomes]
+                               if live else [(TOKEN,)])
         for sampled in itertools.product(*per_request):
             yield cls(tuple(sampled))
 

@@ -34,6 +34,7 @@ from slotserve.check.harness import Harness, Wedge
 from slotserve.check.trace import TraceRecorder
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.scheduler import Scheduler
+from slotserve.spec_decode.config import SpeculativeConfig
 
 # The states of interest the CI exploration must reach (Harness effects).
 REQUIRED_EFFECTS = ("preemption", "prefix hit", "idle session holds a slot",
@@ -57,8 +58,14 @@ class ExploreConfig:
     depth: int = 8
     drain_steps: int = 40
     menu: Menu = field(default_factory=Menu)
+    # > 0: speculative decoding (ngram, n-grams of 1-2 tokens, forced on) with this k.
+    num_speculative_tokens: int = 0
 
     def scheduler(self) -> Scheduler:
+        spec = (SpeculativeConfig(method="ngram",
+                                  num_speculative_tokens=self.num_speculative_tokens,
+                                  prompt_lookup_min=1, prompt_lookup_max=2, adaptive=False)
+                if self.num_speculative_tokens else None)
         return Scheduler(
             SchedulerConfig(max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -68,7 +75,8 @@ class ExploreConfig:
                             enable_chunked_prefill=self.enable_chunked_prefill,
                             streaming_session_timeout_s=self.session_timeout_s,
                             idle_slot_grace_s=self.idle_slot_grace_s,
-                            max_idle_sessions=self.max_idle_sessions),
+                            max_idle_sessions=self.max_idle_sessions,
+                            speculative_config=spec),
             CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                         enable_prefix_caching=self.enable_prefix_caching))
 
@@ -370,6 +378,9 @@ def parse_args(argv: list[str] | None) -> tuple[ExploreConfig, argparse.Namespac
                    help="scheduled outputs the model has not answered yet (pipelining)")
     p.add_argument("--drain-steps", type=int, default=40,
                    help="the liveness bound: steps a drain may take")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding (ngram) with this many drafts; the model "
+                   "accepts 0..k of them")
     p.add_argument("--check-merges", action="store_true",
                    help="compare every merged state's successors with its representative's "
                    "(slow; checks the canonical hashing)")

@@ -110,8 +110,12 @@ class Harness:
         samplers = tuple(rid for rid in out.num_scheduled_tokens
                          if requests[rid].num_computed_tokens >= requests[rid].num_tokens)
         self.in_flight.append((out, samplers))
+        if out.scheduled_spec_decode_tokens:
+            self.effects.add("drafts proposed")
         if any(r.status == PREEMPTED for r in running):
             self.effects.add("preemption")
+            if out.scheduled_spec_decode_tokens:
+                self.effects.add("preemption in a step with drafts")
         if any(rid in requests and not holds(rid) for rid in idle_kv):
             self.effects.add("idle KV reclaimed")
         if any(rid not in requests for rid in idle):
@@ -130,6 +134,11 @@ class Harness:
         if len(sampled) != len(samplers):
             raise ValueError(f"{len(samplers)} requests sample in this step, got {len(sampled)}")
         tokens = dict(zip(samplers, sampled, strict=True))
+        for rid, d in out.scheduled_spec_decode_tokens.items():
+            n = len(tokens.get(rid, ()))
+            if n:
+                self.effects.add("all drafts accepted" if n == len(d) + 1
+                                 else "a draft rejected")
         ids = [r for r in out.num_scheduled_tokens if r != failed]
         requests = self.sched.requests
         for rid in samplers:

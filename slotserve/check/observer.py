@@ -81,13 +81,18 @@ class SchedulerObserver:
                            now: float | None = None) -> list[EngineCoreOutput]:
         recorder = self.recorder
         if recorder is None:
-            return self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+            outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+            if self.checker is not None and scheduler_output.scheduled_spec_decode_tokens:
+                self.checker.on_update(scheduler_output)
+            return outputs
         recorder.update(scheduler_output, model_output, now)
         requests = self.scheduler.requests
         grammars = {rid: sor.grammar for rid in scheduler_output.num_scheduled_tokens
                     if (r := requests.get(rid)) is not None
                     and (sor := r.structured_output_request) is not None}
         outputs = self.scheduler.update_from_output(scheduler_output, model_output, now=now)
+        if self.checker is not None and scheduler_output.scheduled_spec_decode_tokens:
+            self.checker.on_update(scheduler_output)
         # A replay has no grammar library: it is told where each grammar completed or failed.
         recorder.grammar_outcomes([rid for rid, g in grammars.items() if g.is_terminated()],
                                   {rid: g.error for rid, g in grammars.items()

@@ -29,6 +29,7 @@ from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
 from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
+from slotserve.spec_decode.config import SpeculativeConfig
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:
@@ -114,7 +115,11 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
         nxt = events[i + 1] if i + 1 < len(events) else {}
         ready: dict[str, str | None] = nxt.get("ids", {}) if nxt.get("event") == "ready" else {}
         if kind == "config":
-            scheduler = Scheduler(SchedulerConfig(**e["scheduler"]), CacheConfig(**e["cache"]))
+            # A speculative config comes back as its dict (an adaptive one decides from
+            # measured step times, which a replay does not reproduce).
+            sc = {**e["scheduler"], "speculative_config": SpeculativeConfig.from_any(
+                e["scheduler"].get("speculative_config"))}
+            scheduler = Scheduler(SchedulerConfig(**sc), CacheConfig(**e["cache"]))
             observer = SchedulerObserver(scheduler, InvariantChecker(scheduler) if check else None)
             continue
         assert scheduler is not None and observer is not None, "a trace starts with its config"

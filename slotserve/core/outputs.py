@@ -51,6 +51,9 @@ class SchedulerOutput:
     # Slot releases; each id is delivered in exactly one output.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Speculative decoding: per request, the draft tokens scheduled after its last token
+    # (counted in num_scheduled_tokens); the worker verifies them in this step's pass.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def released_req_ids(self) -> set[str]:

@@ -25,6 +25,12 @@ class SchedulerStats:
     num_slots_held: int = 0
     num_idle_slots_reclaimed: int = 0
     num_waiting_for_grammar: int = 0
+    # Speculative decoding (vLLM's names): verified proposals, their draft tokens, the
+    # accepted ones, and accepted drafts by position (1st, 2nd, ...).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -71,4 +77,5 @@ def make_stats(sched: Scheduler) -> SchedulerStats:
         num_slots_held=len(sched.slot_ledger.holders),
         num_idle_slots_reclaimed=sched.sessions.num_slots_reclaimed,
         num_waiting_for_grammar=len(sched.waiting_for_grammar),
+        **(sched.spec.stats_fields() if sched.spec is not None else {}),
     )

@@ -25,6 +25,7 @@ from slotserve.core.sched_utils import SchedulerStats, check_stop, make_stats
 from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
 from slotserve.errors import RequestValidationError
+from slotserve.spec_decode.scheduling import SpecDecodeScheduler
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
@@ -62,6 +63,8 @@ class Scheduler:
         # The engine's clock as of the latest schedule(now) or update_from_output(..., now):
         # sessions go idle and time out against it.
         self.now = 0.0
+        spec = scheduler_config.speculative_config
+        self.spec = SpecDecodeScheduler(spec) if spec is not None else None
 
     # ------------------------------------------------------------------ requests in and out
     @property
@@ -127,6 +130,8 @@ class Scheduler:
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
         self.sessions.forget(req_id)
+        if self.spec is not None:
+            self.spec.forget(request)
 
     def _end_request(self, request: Request, status: RequestStatus, message: str | None,
                      rejected: bool = False) -> None:
@@ -233,10 +238,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if self.spec is not None and r.num_tokens - r.num_computed_tokens == 1:
+                # Drafts count against the budget and max_model_len (propose caps them).
+                n += len(self.spec.propose(r, budget - 1, max_model_len, len(running),
+                                           len(running)))
             while True:
                 new_blocks = kv.allocate_slots(r, n)
                 if new_blocks is not None:
                     break
+                if n > 1 and self.spec is not None and self.spec.unpropose(r.request_id):
+                    n = 1  # no room for the drafts: give them up before preempting anyone
+                    continue
                 if priority:
                     victim = max(running, key=_priority_key)
                     vi = running.index(victim)
@@ -380,6 +392,8 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
         )
         out = SchedulerOutput(
+            scheduled_spec_decode_tokens=(self.spec.take_scheduled(num_scheduled)
+                                          if self.spec is not None else {}),
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
@@ -409,6 +423,8 @@ class Scheduler:
             self._fail_requests(model_runner_output.failed)
         outputs = self.pending_outputs
         self.pending_outputs = []
+        if self.spec is not None:
+            self.spec.step_done()
         sampled = model_runner_output.sampled_token_ids
         index_of = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -444,6 +460,8 @@ class Scheduler:
                 if check_stop(r, max_model_len):
                     stopped = True
                     break
+            if self.spec is not None:  # counts acceptance, rolls rejected drafts back
+                self.spec.on_output(r, scheduler_output, generated, status == RUNNING)
             new_tokens = generated if n_new == len(generated) else generated[:n_new]
             lp = logprobs[i] if logprobs is not None else None
             if lp is not None:

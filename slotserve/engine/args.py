@@ -20,6 +20,7 @@ from slotserve.config import (
     check_mode,
 )
 from slotserve.errors import ConfigError, ModelLoadError
+from slotserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,6 +97,10 @@ class EngineArgs:
         None, "fill grammar bitmasks on a helper thread during the forward pass (default: "
         "on an accelerator)")
 
+    # spec_decode/config.py: a JSON object on the command line, a dict in LLM(...).
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = _arg(
+        None, 'speculative decoding without a draft model, vLLM\'s JSON: {"method": "ngram" '
+        'or "suffix", "num_speculative_tokens": k, "prompt_lookup_min": n, ...} (default: off)')
     plugins: str | None = _arg(None, "comma-separated modules imported where the engine core "
                                "runs (vLLM's general plugins; they may add utilities)")
 
@@ -122,6 +127,8 @@ class EngineArgs:
             given["native_attention"] = False
         check_mode(given.get("quantization", "auto"))
         check_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
+        if "speculative_config" in given:
+            given["speculative_config"] = SpeculativeConfig.from_any(given["speculative_config"])
         return cls(**given)
 
     def model_path(self) -> str:
@@ -172,6 +179,7 @@ class EngineArgs:
             idle_slot_grace_s=self.idle_slot_grace_s,
             max_idle_sessions=(max(1, self.max_num_seqs // 2) if self.max_idle_sessions is None
                                else self.max_idle_sessions),
+            speculative_config=SpeculativeConfig.from_any(self.speculative_config),
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,

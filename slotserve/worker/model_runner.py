@@ -236,21 +236,33 @@ class ModelRunner:
         req_ids = [ids[i] for i in order]
         num_computed = b.num_computed_tokens[slots]
         seq_lens = num_computed + q_lens
-        if (seq_lens > b.num_tokens[slots]).any():
-            bad = int(np.argmax(seq_lens > b.num_tokens[slots]))
+        # Drafts sit after a request's tokens (not counted in them until accepted).
+        drafts = so.scheduled_spec_decode_tokens
+        n_drafts = write_drafts(b, req_ids, slots, drafts) if drafts else np.zeros_like(q_lens)
+        known = b.num_tokens[slots] + n_drafts
+        if (seq_lens > known).any():
+            bad = int(np.argmax(seq_lens > known))
             raise InvariantViolation(
                 f"request {req_ids[bad]!r}: {int(q_lens[bad])} tokens scheduled after "
                 f"{int(num_computed[bad])} computed, but the worker knows "
-                f"{int(b.num_tokens[slots[bad]])} tokens")
+                f"{int(known[bad])} tokens")
 
         input_ids, positions, meta = self._prepare_inputs(req_ids, slots, q_lens, num_computed)
         cu = np.cumsum(q_lens)
-        # Only requests whose prefill completes this step produce a token.
-        done = seq_lens == b.num_tokens[slots]
+        # Only requests whose prefill completes this step produce a token; one with k drafts
+        # is sampled at its last k + 1 positions (a row each: `offsets` 0..k).
+        done = seq_lens == known
         sample_rows = np.nonzero(done)[0]
-        logits_idx = torch.from_numpy(cu[sample_rows] - 1).to(self.device)
         sample_slots = slots[sample_rows]
-        sampling_meta = self._sampling_metadata(sample_slots)
+        counts = 1 + n_drafts[sample_rows]
+        if len(counts) and counts.max() > 1:
+            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            logits_pos = np.repeat(cu[sample_rows] - counts, counts) + offsets
+            row_slots = np.repeat(sample_slots, counts)
+        else:
+            offsets, logits_pos, row_slots = None, cu[sample_rows] - 1, sample_slots
+        logits_idx = torch.from_numpy(logits_pos).to(self.device)
+        sampling_meta = self._sampling_metadata(row_slots, offsets)
 
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -258,14 +270,18 @@ class ModelRunner:
         if grammar_output is not None:
             # Waits for the bitmask here, after the forward pass it was filled beside.
             self._grammar_metadata(sampling_meta, grammar_output, ids,
-                                   [req_ids[r] for r in sample_rows.tolist()])
+                                   [req_ids[r] for r in np.repeat(sample_rows, counts)])
         sampled_out = self.sampler(logits, sampling_meta)
         sampled = sampled_out.sampled.cpu().numpy()
         self.last_forward_s += time.perf_counter() - start
 
         b.num_computed_tokens[slots] = seq_lens
-        b.append_sampled(sample_slots, sampled)
-        return self._make_output(req_ids, sample_rows, sampled, sample_slots, sampled_out)
+        if offsets is None:
+            b.append_sampled(sample_slots, sampled)
+            return self._make_output(req_ids, sample_rows, sampled, sample_slots, sampled_out)
+        kept = verify_drafts(b, sample_slots, counts, sampled)
+        return self._make_output(req_ids, sample_rows, sampled, sample_slots, sampled_out,
+                                 counts, kept)
 
     def _prepare_inputs(self, req_ids: list[str], slots: np.ndarray, q_lens: np.ndarray,
                         num_computed: np.ndarray
@@ -293,8 +309,13 @@ class ModelRunner:
         meta = self.model.build_attention_metadata(layout)
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta)
 
-    def _sampling_metadata(self, slots: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, slots: np.ndarray,
+                           offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """`offsets`: per row, how many drafts precede the sampled position (a request's
+        rows 0..k at once), for the positions' seeds, penalties and min_tokens."""
         b, dev = self.batch, self.device
+        # The tokens before each row's position, drafts included (they follow num_tokens).
+        ends = b.num_tokens[slots] if offsets is None else b.num_tokens[slots] + offsets
 
         def t(x: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
@@ -311,20 +332,20 @@ class ModelRunner:
                 meta.top_p = t(top_p)
             if (min_p > 0.0).any():
                 meta.min_p = t(min_p)
-            seeds = {row: mix_seed(b.seeds[s], b.num_output_tokens(s))
+            seeds = {row: mix_seed(b.seeds[s], int(ends[row] - b.num_prompt_tokens[s]))
                      for row, s in enumerate(slots.tolist()) if b.seeds[s] is not None}
             meta.row_seeds = seeds or None
         rep = b.repetition_penalty[slots]
         if (rep != 1.0).any():
             meta.repetition_penalty = t(rep)
-            meta.prompt_output_ids = t(b.padded_tokens(slots, np.zeros_like(slots),
-                                                       b.num_tokens[slots], self.vocab_size))
+            meta.prompt_output_ids = t(b.padded_tokens(slots, np.zeros_like(slots), ends,
+                                                       self.vocab_size))
         freq, pres = b.frequency_penalty[slots], b.presence_penalty[slots]
         if (freq != 0.0).any() or (pres != 0.0).any():
             meta.frequency_penalty, meta.presence_penalty = t(freq), t(pres)
-            meta.output_ids = t(b.padded_tokens(slots, b.num_prompt_tokens[slots],
-                                                b.num_tokens[slots], self.vocab_size))
-        n_out = b.num_tokens[slots] - b.num_prompt_tokens[slots]
+            meta.output_ids = t(b.padded_tokens(slots, b.num_prompt_tokens[slots], ends,
+                                                self.vocab_size))
+        n_out = ends - b.num_prompt_tokens[slots]
         below = np.nonzero(n_out < b.min_tokens[slots])[0]
         if len(below):
             rows, toks = _row_pairs(below, [b.min_tokens_stop_ids[s] for s in slots[below]],
@@ -374,10 +395,21 @@ class ModelRunner:
         meta.grammar_bias = grammar_bias(bitmask, self.vocab_size, self.device)
 
     def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
-                     sample_slots: np.ndarray, out: SamplerOutput) -> ModelRunnerOutput:
+                     sample_slots: np.ndarray, out: SamplerOutput,
+                     counts: np.ndarray | None = None,
+                     kept: np.ndarray | None = None) -> ModelRunnerOutput:
+        """`counts`/`kept`: per sampled request, its rows in `sampled` and how many of them
+        verification kept (None: one each)."""
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        for row, tok in zip(sample_rows.tolist(), sampled.tolist(), strict=True):
-            sampled_lists[row] = [tok]
+        toks = sampled.tolist()
+        if counts is None or kept is None:
+            starts = list(range(len(toks)))
+            n_kept = [1] * len(toks)
+        else:
+            starts = (np.cumsum(counts) - counts).tolist()
+            n_kept = kept.tolist()
+        for row, s0, n in zip(sample_rows.tolist(), starts, n_kept, strict=True):
+            sampled_lists[row] = toks[s0:s0 + n]
         logprobs: list[list[LogprobsEntry] | None] | None = None
         if out.sampled_logprobs is not None:
             nlp_all = self.batch.num_logprobs
@@ -386,23 +418,71 @@ class ModelRunner:
             lp = out.sampled_logprobs.cpu().tolist()
             top_ids = out.topk_ids.cpu().tolist() if out.topk_ids is not None else None
             top_lp = out.topk_logprobs.cpu().tolist() if out.topk_logprobs is not None else None
-            for i, (row, slot) in enumerate(zip(sample_rows.tolist(), sample_slots.tolist(),
-                                                strict=True)):
+            for row, slot, s0, m in zip(sample_rows.tolist(), sample_slots.tolist(), starts,
+                                        n_kept, strict=True):
                 n = int(nlp_all[slot])
                 if n < 0:
                     continue
-                entry: LogprobsEntry = {int(sampled[i]): float(lp[i])}
-                if n and top_ids is not None and top_lp is not None:
-                    for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
-                        if val != _NEG_INF:  # a token a grammar disallowed
-                            entry.setdefault(tok, float(val))
-                logprobs[row] = [entry]
+                entries: list[LogprobsEntry] = []
+                for i in range(s0, s0 + m):
+                    entry: LogprobsEntry = {toks[i]: float(lp[i])}
+                    if n and top_ids is not None and top_lp is not None:
+                        for tok, val in zip(top_ids[i][:n], top_lp[i][:n], strict=True):
+                            if val != _NEG_INF:  # a token a grammar disallowed
+                                entry.setdefault(tok, float(val))
+                    entries.append(entry)
+                logprobs[row] = entries
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
         )
+
+
+def write_drafts(b: InputBatch, req_ids: list[str], slots: np.ndarray,
+                 drafts: dict[str, list[int]]) -> np.ndarray:
+    """Put each request's drafts after its tokens (the row's num_tokens stays: they are not
+    its tokens until verified); their counts, per request."""
+    n = np.zeros(len(req_ids), dtype=np.int64)
+    for i, rid in enumerate(req_ids):
+        d = drafts.get(rid)
+        if d:
+            slot, start = int(slots[i]), int(b.num_tokens[slots[i]])
+            if start + len(d) > b.max_model_len:
+                raise InvariantViolation(f"request {rid!r}: {len(d)} drafts after {start} "
+                                         f"tokens pass max_model_len={b.max_model_len}")
+            b.token_ids[slot, start:start + len(d)] = d
+            n[i] = len(d)
+    return n
+
+
+def verify_drafts(b: InputBatch, slots: np.ndarray, counts: np.ndarray,
+                  sampled: np.ndarray) -> np.ndarray:
+    """Keep, per request, the longest run of drafts that equal what was sampled at their
+    positions, plus the token sampled after them; append those to the row.
+
+    Each position is sampled from the target distribution as if the drafts before it were
+    the request's tokens (greedy: the argmax). For a one-hot proposal d this is exactly
+    rejection sampling: d is kept with probability p(d), and when it is not, the sampled
+    token is distributed as p with d removed and renormalised (the residual max(p - q, 0)).
+    """
+    kept = np.empty(len(slots), dtype=np.int64)
+    start = 0
+    for i, (slot, c) in enumerate(zip(slots.tolist(), counts.tolist(), strict=True)):
+        pos = int(b.num_tokens[slot])
+        drafts = b.token_ids[slot, pos:pos + c - 1]
+        rows = sampled[start:start + c]
+        a = 0
+        while a < c - 1 and rows[a] == drafts[a]:
+            a += 1
+        b.token_ids[slot, pos:pos + a + 1] = rows[:a + 1]
+        b.num_tokens[slot] = pos + a + 1
+        # Computed: the step's input token and the accepted drafts, not the one sampled last.
+        b.num_computed_tokens[slot] = pos + a
+        kept[i] = a + 1
+        start += c
+    return kept
 
 
 def _row_pairs(rows: np.ndarray, ids: list[np.ndarray], vocab_size: int

@@ -36,6 +36,7 @@ from slotserve.check.events import (
 )
 from slotserve.check.grammar import REJECTED
 from slotserve.check.harness import Harness
+from slotserve.spec_decode.config import SpeculativeConfig
 from tests.helpers import make_scheduler
 
 PREFIXES = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26], [31, 32, 33]]
@@ -54,10 +55,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         threshold=st.sampled_from([0, 0, 3]),
         max_idle=st.sampled_from([None, None, 0, 1]),
+        spec_k=st.sampled_from([0, 0, 3]),
     )
     def setup(self, max_num_seqs: int, num_blocks: int, block_size: int, budget: int,
               policy: str, chunked: bool, caching: bool, threshold: int,
-              max_idle: int | None) -> None:
+              max_idle: int | None, spec_k: int) -> None:
         max_model_len = 48
         if not chunked:
             budget = max(budget, max_model_len)
@@ -66,12 +68,22 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
             long_prefill_token_threshold=threshold, streaming_session_timeout_s=30.0,
-            idle_slot_grace_s=5.0, max_idle_sessions=max_idle))
+            idle_slot_grace_s=5.0, max_idle_sessions=max_idle,
+            # Speculation (ngram over 1-2 token n-grams, forced on): answers accept 0..k.
+            speculative_config=SpeculativeConfig(
+                num_speculative_tokens=spec_k, prompt_lookup_min=1, prompt_lookup_max=2,
+                adaptive=False) if spec_k else None))
 
     def _answer(self, data: st.DataObject) -> None:
         # One or two tokens per request whose prefill completed when it was scheduled.
         sampled = []
-        for _ in self.h.in_flight[0][1]:
+        out, samplers = self.h.in_flight[0]
+        for rid in samplers:
+            drafts = out.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                a = data.draw(st.integers(0, len(drafts)), label="drafts accepted")
+                sampled.append((*drafts[:a], data.draw(st.sampled_from(TOKENS))))
+                continue
             k = data.draw(st.integers(1, 2), label="tokens sampled")
             sampled.append(tuple(data.draw(st.lists(st.sampled_from(TOKENS), min_size=k,
                                                     max_size=k), label="tokens")))

@@ -1,0 +1,96 @@
+"""The proposers and the on-only-where-it-pays rule, pure Python."""
+
+from __future__ import annotations
+
+import random
+
+from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.core.outputs import ModelRunnerOutput
+from slotserve.core.request import Request
+from slotserve.core.scheduler import Scheduler
+from slotserve.sampling_params import SamplingParams
+from slotserve.spec_decode.config import SpeculativeConfig
+from slotserve.spec_decode.policy import StepCostModel, choose_num_drafts, update_alpha
+from slotserve.spec_decode.proposers import GlobalSuffixCache, NgramProposer, SuffixProposer
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    p = NgramProposer(2, 3)
+    assert p.propose([1, 2, 3, 4, 9, 2, 3], 2) == [4, 9]
+    # The latest occurrence wins, and the longest n-gram before a shorter one.
+    assert p.propose([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3], 3) == [5, 7, 2]
+    assert p.propose([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 4], 3) == [9, 2, 3]
+    assert NgramProposer(2, 3).propose([1, 2, 3, 4], 3) == []  # no earlier occurrence
+    assert NgramProposer(3, 3).propose([5, 2, 3, 6, 2, 3], 3) == []  # only a 2-gram matches
+
+
+def test_ngram_incremental_equals_fresh() -> None:
+    rng = random.Random(0)
+    tokens: list[int] = []
+    inc = NgramProposer(1, 3)
+    for _ in range(300):
+        tokens.append(rng.randrange(6))
+        assert inc.propose(tokens, 4) == NgramProposer(1, 3).propose(tokens, 4)
+    # A sequence that shrank (a session dropped its last token) is indexed again.
+    assert inc.propose(tokens[:50], 4) == NgramProposer(1, 3).propose(tokens[:50], 4)
+
+
+def test_suffix_own_tokens_and_global_cache() -> None:
+    own = SuffixProposer(None, max_depth=24, spec_factor=1.0)
+    assert own.propose([7, 8, 9, 10, 11, 7, 8, 9], 5) == [10, 11, 7]  # 3 matched: <= 3
+    cache = GlobalSuffixCache(max_requests=2)
+    cache.add([40, 41, 42, 43, 44, 45])
+    p = SuffixProposer(cache, max_depth=24, spec_factor=2.0)
+    assert p.propose([1, 2, 40, 41], 8) == [42, 43, 44, 45]  # stops at the output's end
+    assert SuffixProposer(cache, 24, 1.0).propose([3, 41, 42], 8) == [43, 44]
+    # Past the bound the cache keeps the newest half and cursors match again.
+    cache.add([50, 51, 52])
+    cache.add([60, 61, 62, 63])
+    assert len(cache.outputs) == 1 and cache.generation == 1
+    assert p.propose([1, 2, 40, 41, 60, 61], 8) == [62, 63]
+
+
+def test_finished_outputs_feed_the_suffix_cache() -> None:
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
+                                      max_model_len=64, speculative_config=spec),
+                      CacheConfig(block_size=4, num_blocks=64))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(rid: str, outputs: list[int]) -> list[list[int]]:
+        sched.add_request(Request(rid, [100 + len(rid), 5, 6], params))
+        drafts, it = [], iter(outputs)
+        while sched.has_unfinished_requests():
+            so = sched.schedule()
+            d = so.scheduled_spec_decode_tokens.get(rid, [])
+            drafts.append(d)
+            # The model emits the next outputs, accepting drafts that match them.
+            gen = [next(it)]
+            for t in d:
+                if t != gen[-1]:
+                    break
+                gen.append(next(it, 0))
+            sched.update_from_output(so, ModelRunnerOutput([rid], {rid: 0}, [gen]))
+        return drafts
+
+    assert not any(run("a", [20, 21, 22, 23, 24, 25, 0, 0, 0]))
+    # The second request's output starts like the first's: the cache proposes the rest of
+    # a's output, more of it the longer the match (spec_factor 1: a draft per matched token).
+    assert run("bb", [20, 21, 22, 23, 24, 25, 0, 0, 0]) == [[], [21], [23, 24]]
+    stats = sched.make_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
+        stats.spec_decode_num_accepted_tokens)
+
+
+def test_rule_speculates_at_one_sequence_and_turns_off_at_high_batch() -> None:
+    cost = StepCostModel()
+    for t in (1, 5, 1, 5, 33, 64):  # a step: 10 ms + 0.5 ms per token
+        cost.observe(t, 0.010 + 0.0005 * t)
+    a, b = cost.coefficients()
+    assert abs(a - 0.010) < 2e-3 and abs(b - 0.0005) < 2e-4
+    assert choose_num_drafts(0.8, 4, 1, 1, cost) == 4
+    assert choose_num_drafts(0.1, 4, 1, 1, cost) <= 1
+    assert choose_num_drafts(0.8, 4, 256, 256, cost) == 0
+    assert choose_num_drafts(0.0, 4, 1, 1, cost) == 0
+    assert update_alpha(0.6, 0, 1) < 0.6 < update_alpha(0.6, 3, 3)
