@@ -9,6 +9,9 @@ with `copy_blocks`, and nothing else.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import warnings
 
 import numpy as np
@@ -42,6 +45,41 @@ def copy_blocks(tensor: GGUFTensor, out: torch.Tensor) -> None:
     on the CPU): the weight then lives in memory of its own, not in the file's map."""
     data = tensor.data.reshape(out.shape)
     np.copyto(out.numpy(), data, casting="no")
+    if isinstance(tensor.data, np.memmap):
+        _drop_pages(tensor.data)
+
+
+def _drop_pages(data: np.ndarray) -> None:
+    """Unmap the whole pages under `data` from this process (MADV_DONTNEED on a read-only
+    file map: they stay in the page cache, and a later read faults them back in), so bytes
+    that were copied are not resident twice while the rest of the map serves as weights."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return  # not a POSIX system: the copy is resident twice until the map closes
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                        mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def map_blocks(tensor: GGUFTensor, shape: tuple[int, int]) -> torch.Tensor | None:
+    """A block-typed tensor's bytes, as stored, as a uint8 [rows, bytes per row] tensor on
+    the file's map (no copy: the page cache's pages are the weight, as with llama.cpp's mmap,
+    so the process holds no second copy and the pages come back to it after a restart).
+    Read-only, which the kernels are: they never write weights. None when the data is not
+    plain bytes in a map (copy it then)."""
+    data = tensor.data
+    if data.dtype != np.uint8 or not isinstance(data, np.memmap):
+        return None
+    with warnings.catch_warnings():  # the map is read-only; nothing writes weight blocks
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(data.reshape(shape))
 
 
 def materialize(tensor: CheckpointTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotserve.checkpoint.dequant import CheckpointTensor, copy_blocks, gguf_type
+from slotserve.checkpoint.dequant import CheckpointTensor, copy_blocks, gguf_type, map_blocks
 from slotserve.config import QuantizationMode
 from slotserve.errors import ModelLoadError
 from slotserve.models.native_qmatmul import (
@@ -79,7 +79,9 @@ def _row_bytes(qtype: int, cols: int) -> int:
 
 
 def _load_blocks(buffer: torch.Tensor, loaded: CheckpointTensor, qtype: int, cols: int,
-                 name: str) -> None:
+                 name: str, whole: bool = False) -> torch.Tensor | None:
+    """Check `loaded` and put its blocks into `buffer`. `whole`: it fills the whole buffer,
+    which is then better replaced by the returned view of the file's map (None: copied)."""
     rows = buffer.shape[0]
     if gguf_type(loaded) != qtype:
         raise ModelLoadError(f"tensor {name} was planned as {KERNEL_TYPES[qtype]} blocks but "
@@ -87,7 +89,11 @@ def _load_blocks(buffer: torch.Tensor, loaded: CheckpointTensor, qtype: int, col
     if tuple(loaded.shape) != (rows, cols):
         raise ModelLoadError(f"tensor {name} has shape {tuple(loaded.shape)}, expected "
                              f"{(rows, cols)}")
-    copy_blocks(loaded, buffer)  # type: ignore[arg-type]  # gguf_type() checked it is blocks
+    # gguf_type() checked that it is blocks, a GGUFTensor.
+    mapped = map_blocks(loaded, (rows, buffer.shape[1])) if whole else None  # type: ignore[arg-type]
+    if mapped is None:
+        copy_blocks(loaded, buffer)  # type: ignore[arg-type]
+    return mapped
 
 
 class _QuantModule(nn.Module):
@@ -153,7 +159,12 @@ class QuantizedLinear(_QuantModule):
         i, seg = next((i, g) for i, g in enumerate(self.segments)
                       if g.start <= shard.start < g.start + g.rows)
         rows = self.blocks()[i][shard.start - seg.start:shard.start - seg.start + shard.rows]
-        _load_blocks(rows, loaded, shard.qtype, self.in_features, name)
+        # A buffer that is one checkpoint tensor is that tensor's bytes in the file's map.
+        mapped = _load_blocks(rows, loaded, shard.qtype, self.in_features, name,
+                              whole=seg.rows == shard.rows)
+        if mapped is not None:
+            setattr(self, f"qweight_{i}", mapped)
+            self._views = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
@@ -208,7 +219,11 @@ class QuantizedEmbedding(_QuantModule):
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
         del param, shard_id
-        _load_blocks(self.qweight, loaded, self.qtype, self.embedding_dim, name)
+        mapped = _load_blocks(self.qweight, loaded, self.qtype, self.embedding_dim, name,
+                              whole=True)
+        if mapped is not None:
+            self.qweight = mapped
+            self._views = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).to(torch.int64).contiguous()

@@ -48,6 +48,24 @@ def test_renders_what_transformers_renders(renderer: ChatRenderer, tokenizer: An
                                add_generation_prompt=True) == expected
 
 
+def test_the_child_renders_special_tokens_without_the_vocabulary(renderer: ChatRenderer,
+                                                                 tokenizer: Any) -> None:
+    """The child holds the template and the special tokens map, not the tokenizer: the
+    variables transformers gives a template still reach it, and a caller's win."""
+    from slotserve.checkpoint.chat_render import _render_spec
+
+    spec = _render_spec(tokenizer)
+    assert spec[0] == "template" and spec[2] == tokenizer.special_tokens_map
+    assert len(renderer._payload()) < 10_000  # not the pickled vocabulary
+    template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}"
+                "{% endfor %}{{ pad_token }}{{ extra | default('-') }}")
+    for kwargs in ({}, {"bos_token": "<B>", "extra": "x"}):
+        expected = tokenizer.apply_chat_template(HELLO, tokenize=False, chat_template=template,
+                                                 **kwargs)
+        assert renderer.render(HELLO, chat_template=template, **kwargs) == expected
+        assert expected.startswith(kwargs.get("bos_token", tokenizer.bos_token or ""))
+
+
 @pytest.mark.parametrize(("template", "message"), [
     (SPIN, "took longer than 1 s"),
     (HUGE, "more memory than the limit"),
