@@ -132,55 +132,30 @@ def test_file_without_tokenizer(tmp_path: Path, good: Path) -> None:
         load_tokenizer(good)
 
 
-@pytest.fixture(scope="module")
-def refused(tmp_path_factory: pytest.TempPathFactory, bundled_gguf: BundledGGUF
-            ) -> dict[str, Path]:
-    """Truncated: caught before the engine starts (in either mode). Missing tensor: caught
-    while the engine loads the weights (in process mode in the child)."""
-    cut = tmp_path_factory.mktemp("refused") / "cut.gguf"
+def test_server_refuses_to_start(tmp_path: Path, bundled_gguf: BundledGGUF) -> None:
+    # Truncated: caught before the engine starts (in either mode). Missing tensor: caught
+    # while the engine loads the weights (in process mode in the child), reported the same
+    # way. The CLI runs
+    # as a user runs it, in a subprocess, with a deadline (side by side: each pays imports).
+    cut = tmp_path / "cut.gguf"
     cut.write_bytes(bundled_gguf(Q.Q8_0).read_bytes()[:-100])
     missing = bundled_gguf(Q.Q8_0, "missing.gguf",
                            edit=lambda w: w.tensors[0].pop("blk.0.attn_v.weight"))
-    return {"truncated": cut, "blk.0.attn_v.weight": missing}
-
-
-def _serve_argv(path: Path, mode: str) -> list[str]:
-    return ["serve", "--model", str(path), "--engine-mode", mode, "--threads", "1",
-            "--port", "1"]
-
-
-@pytest.mark.parametrize(("message", "mode"), [("truncated", "process"),
-                                               ("blk.0.attn_v.weight", "thread")])
-def test_server_refuses_to_start(refused: dict[str, Path], message: str, mode: str,
-                                 monkeypatch: pytest.MonkeyPatch,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """The CLI's serve command in-process (the test below runs it as a user does); a server
-    that starts anyway fails the test instead of serving on port 1."""
-    import uvicorn
-
-    from slotserve.entrypoints.cli import main
-
-    def started(self: object) -> None:
-        raise AssertionError("the server was started")
-
-    monkeypatch.setattr(uvicorn.Server, "run", started)
-    path = refused[message]
-    assert main(_serve_argv(path, mode)) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error:") and str(path) in err and message in err, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-
-
-def test_server_refuses_to_start_when_its_engine_child_cannot_load(
-        refused: dict[str, Path]) -> None:
-    """As a user runs it, in a subprocess with a deadline: the engine child's load error is
-    reported by the server process like any other, exit code 2, no traceback."""
-    path = refused["blk.0.attn_v.weight"]
-    proc = subprocess.run([sys.executable, "-m", "slotserve.entrypoints.cli",
-                           *_serve_argv(path, "process")], cwd=REPO,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, timeout=180)
-    err = proc.stderr
-    assert proc.returncode == 2, err[-3000:]
-    assert "error:" in err and str(path) in err and "blk.0.attn_v.weight" in err, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
+    cases = [(cut, "truncated", "process"), (missing, "blk.0.attn_v.weight", "thread"),
+             (missing, "blk.0.attn_v.weight", "process")]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", "--model", str(path),
+         "--engine-mode", mode, "--threads", "1", "--port", "1"], cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True) for path, _, mode in cases]
+    try:
+        for proc, (path, message, mode) in zip(procs, cases, strict=True):
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 2, (mode, err[-3000:])
+            assert "error:" in err and str(path) in err and message in err, (mode, err[-3000:])
+            assert "Traceback" not in err, (mode, err[-3000:])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
