@@ -80,13 +80,15 @@ def test_ci_exploration_priority_depth_6() -> None:
 def test_merged_states_have_the_same_successors() -> None:
     # Every state merged into an earlier one is expanded as well and compared, event by
     # event, with the representative: same successor keys, same effects, same failures.
-    # Empty session chunks (zero-token continuations) are in the menu here.
-    for policy, depth, priorities in (("fcfs", 5, (0,)), ("priority", 4, (0, 1))):
+    # Empty session chunks (zero-token continuations) are in the menu here. Depth 4 each (185
+    # and 787 merges; FCFS at depth 5 cost a minute more on the loaded CI machine): a key that
+    # ignored the priority or the idle time was still caught.
+    for policy, depth, priorities in (("fcfs", 4, (0,)), ("priority", 4, (0, 1))):
         menu = Menu(**{**_fields(CI_MENU), "priorities": priorities, "chunks": ((3,), ())})
         cfg = ExploreConfig(**{**_fields(CI), "policy": policy, "depth": depth, "menu": menu})
         report = explore(cfg, check_merges=True)
         assert report.violation is None, report.summary()
-        assert report.merges_checked > 500
+        assert report.merges_checked > 150
 
 
 def test_isolated_request_failures_explored() -> None:

@@ -1,15 +1,20 @@
 """The bundled Shakespeare model written as GGUF files (with its tokenizer and chat template in
-the metadata), for engine-level tests of GGUF loading on a model with real weights."""
+the metadata), for engine-level tests of GGUF loading on a model with real weights; and the
+real Gemma 3 file loaded once for the tests that build engines over it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from slotserve.checkpoint import load_tokenizer
 from slotserve.engine.args import DEFAULT_MODEL
+from slotserve.models.loader import load_model
+from tests.checkpoint.gemma_file import gemma_path
 from tests.checkpoint.gguf_convert import Q, to_gguf
 
 BundledGGUF = Callable[..., Path]
@@ -35,3 +40,18 @@ def bundled_gguf(tmp_path_factory: pytest.TempPathFactory) -> BundledGGUF:
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="package")
+def gemma() -> Path:
+    return gemma_path()
+
+
+@pytest.fixture(scope="package")
+def loaded(gemma: Path) -> tuple[Any, Any, Any]:
+    """(model, config, tokenizer) of the Gemma file in float32 with `exact` quantization: the
+    KV-dtype and proof tests build their engines over it (loading it is most of their setup
+    on a loaded machine, so it is loaded once for the package)."""
+    model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025,
+                            quantization="exact")
+    return model, cfg, load_tokenizer(gemma)

@@ -17,9 +17,6 @@ import pytest
 import torch
 
 from slotserve import SamplingParams
-from slotserve.checkpoint import load_tokenizer
-from slotserve.models.loader import load_model
-from tests.checkpoint.gemma_file import gemma_path
 from tests.checkpoint.test_gemma_proof import PROMPTS, make_llm
 from tests.worker.test_kv_cache_dtype import follows_reference
 
@@ -32,18 +29,9 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
 MARGIN = {"bfloat16": 0.1, "float16": 0.1, "int8": 0.1}
 
 
-@pytest.fixture(scope="module")
-def gemma() -> Path:
-    return gemma_path()
-
-
-@pytest.fixture(scope="module")
-def loaded(gemma: Path) -> tuple[Any, Any, Any]:
-    # exact: float32 activations, so that only the KV cache's storage differs between runs
-    # (8-bit activations would turn its small differences into rounding flips).
-    model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025,
-                            quantization="exact")
-    return model, cfg, load_tokenizer(gemma)
+# `gemma` and `loaded` (exact: float32 activations, so that only the KV cache's storage
+# differs between runs; 8-bit activations would turn its small differences into rounding
+# flips) are tests/checkpoint/conftest.py's.
 
 
 def generate(gemma: Path, loaded: tuple[Any, Any, Any], kv_cache_dtype: str) -> list[Any]:

@@ -28,9 +28,7 @@ from slotserve.engine.args import EngineArgs
 from slotserve.engine.core import EngineCore
 from slotserve.engine.core_client import InprocClient
 from slotserve.engine.llm_engine import LLMEngine
-from slotserve.models.loader import load_model
 from slotserve.worker.model_runner import ModelRunner
-from tests.checkpoint.gemma_file import gemma_path
 
 pytestmark = pytest.mark.gemma
 
@@ -49,11 +47,6 @@ PROMPTS = [
     LONG,
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-
-
-@pytest.fixture(scope="module")
-def gemma() -> Path:
-    return gemma_path()
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +78,6 @@ def hf_reference(gemma: Path, prompt_ids: list[list[int]]) -> list[tuple[list[in
     del model
     gc.collect()
     return out
-
-
-@pytest.fixture(scope="module")
-def loaded(gemma: Path) -> tuple[Any, Any, Any]:
-    model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025,
-                            quantization="exact")
-    return model, cfg, load_tokenizer(gemma)
 
 
 def make_llm(gemma: Path, loaded: tuple[Any, Any, Any], **kwargs: Any) -> LLM:

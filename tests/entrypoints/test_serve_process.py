@@ -1,8 +1,8 @@
 """`slotserve serve` as a user runs it: a real process with the bundled model (its engine core in
 a child process, the default), driven over HTTP and WebSocket, stopped by SIGINT (Ctrl-C) and
-by SIGTERM: exit code 0 and no process of its family left. The limit flags and
-`--tool-call-parser` are shown to reach the server by what it then does. Flags the server
-refuses at startup are run as the CLI in a subprocess with a deadline."""
+by SIGTERM: exit code 0 and no process of its family left. The limit flags, `--no-webui` and
+`--tool-call-parser` are shown to reach the server by what it then does. The refusals at
+startup are checked in-process, and one as the CLI in a subprocess with a deadline."""
 
 from __future__ import annotations
 
@@ -111,9 +111,19 @@ def test_serve_with_its_flags_then_sigint() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_serve_then_sigterm() -> None:
-    with serve_process("--threads", "1") as (proc, base):
-        c = _client(base)
+def test_serve_without_the_web_page_then_sigterm() -> None:
+    """`--no-webui` with a key: no page (its paths need the key like any other path), the
+    engine state still served (from the engine child); then SIGTERM."""
+    key = "sigterm-key"
+    auth = {"Authorization": f"Bearer {key}"}
+    with serve_process("--threads", "1", "--no-webui", "--api-key", key, "--max-num-seqs", "2",
+                       "--num-blocks", "32") as (proc, base):
+        assert httpx.get(f"{base}/", timeout=30).status_code == 401
+        assert httpx.get(f"{base}/", headers=auth, timeout=30).status_code == 404
+        assert httpx.get(f"{base}/webui/app.js", headers=auth, timeout=30).status_code == 404
+        state = httpx.get(f"{base}/v1/engine/state", headers=auth, timeout=30).json()
+        assert state["max_num_seqs"] == 2 and state["num_blocks"] == 31
+        c = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
         (model,) = [m.id for m in c.models.list().data]
         out = c.completions.create(model=model, prompt="Now is the winter", max_tokens=3,
                                    temperature=0, extra_body={"ignore_eos": True})
@@ -130,22 +140,40 @@ REFUSED: list[tuple[list[str], dict[str, str], str]] = [
 ]
 
 
-def test_empty_keys_are_refused_at_startup() -> None:
-    """Each refused before the engine starts: exit code 2 and one error line, well within a
-    deadline no model load would meet. (Run side by side: each pays the imports.)"""
+@pytest.mark.parametrize(("argv", "env", "message"), REFUSED,
+                         ids=["empty", "blank", "empty-env", "empty-admin", "admin-no-key"])
+def test_empty_keys_are_refused_at_startup(argv: list[str], env: dict[str, str], message: str,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Each refused before the engine starts: exit code 2 and one error line. In-process (the
+    parser reads the keys' environment variables when it is built); the engine's constructor
+    fails the test if the refusal comes too late. The CLI in a subprocess: the test below."""
+    from slotserve.entrypoints.async_llm import AsyncLLM
+    from slotserve.entrypoints.cli import main
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", started)
+    for k in ("SLOTSERVE_API_KEY", "SLOTSERVE_ADMIN_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", *argv, "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, (argv, err)
+
+
+def test_an_empty_key_from_the_environment_is_refused_by_the_cli_process() -> None:
+    """As a user runs it: `slotserve serve` with SLOTSERVE_API_KEY set but empty exits 2 with
+    one error line, well within a deadline no model load would meet."""
+    argv, env, message = REFUSED[2]
     clean = {k: v for k, v in os.environ.items()
              if k not in ("SLOTSERVE_API_KEY", "SLOTSERVE_ADMIN_API_KEY")}
-    procs = [subprocess.Popen(
+    proc = subprocess.run(
         [sys.executable, "-m", "slotserve.entrypoints.cli", "serve", *argv, "--port", "1"],
-        cwd=REPO, env={**clean, "PYTHONPATH": str(REPO), **env}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True) for argv, env, _ in REFUSED]
-    try:
-        for proc, (argv, env, message) in zip(procs, REFUSED, strict=True):
-            _, err = proc.communicate(timeout=90)
-            assert proc.returncode == 2, (argv, env, err[-3000:])
-            assert err.startswith(f"error: {message}") and err.count("\n") == 1, (argv, err)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        cwd=REPO, env={**clean, "PYTHONPATH": str(REPO), **env},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"error: {message}") and proc.stderr.count("\n") == 1, \
+        proc.stderr

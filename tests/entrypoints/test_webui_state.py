@@ -2,7 +2,8 @@
 sessions, every poll's slot table is the engine's own (the worker's table and the scheduler's
 SlotLedger recorded after the very step the poll followed), and no poll carries prompt text.
 Also: it is behind the API key while the page's files are not, --no-webui drops the page
-only, and the state crosses the process boundary in the server's default engine mode."""
+only (also in test_serve_process.py, on a real `serve` process), and the state crosses the
+process boundary in the server's default engine mode."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from slotserve.core.request import RequestStatus
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
 from tests.entrypoints.conftest import API_KEY, MAX_NUM_SEQS, LoopThread, Served, start_server
-from tests.helpers import cli_server
 
 MARKER = "QZXV-MARKER"
 SLOTS = 4
@@ -218,14 +218,5 @@ def test_state_from_an_engine_process(served_process: Served) -> None:
     assert state["num_blocks_used"] == 0 and state["num_waiting_for_grammar"] == 0
 
 
-def test_serve_no_webui() -> None:
-    """`slotserve serve --no-webui`: no page (its paths need the key like any other), the
-    state still served."""
-    with cli_server(["--no-webui", "--engine-mode", "thread", "--threads", "1", "--device",
-                     "cpu", "--max-num-seqs", "2", "--num-blocks", "32", "--api-key", API_KEY,
-                     "--log-level", "warning"]) as url:
-        assert httpx.get(f"{url}/").status_code == 401
-        assert httpx.get(f"{url}/", headers=AUTH).status_code == 404
-        assert httpx.get(f"{url}/webui/app.js", headers=AUTH).status_code == 404
-        state = httpx.get(f"{url}/v1/engine/state", headers=AUTH).json()
-        assert state["max_num_seqs"] == 2 and state["num_blocks"] == 31
+# `slotserve serve --no-webui` as a user runs it: test_serve_process.py (one server process
+# for it and the SIGTERM check).
