@@ -190,7 +190,7 @@ def test_the_kernel_checks_its_arguments_itself() -> None:
 
     def call(qtype: int, row_bytes: int, n1: int, act_len: int) -> int:
         return lib.q8_matmul(qtype, w.ctypes.data, n, k, row_bytes, act.ctypes.data, act_len,
-                             2, y.ctypes.data, n, 0, n1)
+                             2, y.ctypes.data, n, 0, n1, 1)
 
     assert call(int(Q.Q8_0), 68, n, act.size) == 0
     assert call(int(Q.Q2_K), 68, n, act.size) == 1
