@@ -71,10 +71,13 @@ _ERRORS = {1: "the weight type has no kernel",
 _NR = 4  # the kernel's register tile: weight rows per tile, the split granularity
 _TILE_FLOATS = 48 * 1024  # the kernel uses at most this much scratch per thread (192 KiB)
 # Below this many multiply-adds per call the thread pool's hand-off (tens of microseconds)
-# costs more than it saves. The int8 path's OpenMP team hands off in a few microseconds, so
-# its bar is the Python pool's / 4 although it does more multiply-adds per second.
+# costs more than it saves. The int8 path's OpenMP team hands off in microseconds on an idle
+# machine, but its master spins at the team's barrier while a descheduled worker catches up
+# (measured on the shared 2-core machine: a 1M multiply-add bar cost more CPU time than it
+# saved), so it splits only products of 16M and more: at one sequence, Gemma 3's 262k-row
+# output projection; from 8 sequences, the 4096-row MLP matrices too.
 _PARALLEL_MIN_WORK = 1 << 22
-_PARALLEL_MIN_WORK_INT8 = 1 << 20
+_PARALLEL_MIN_WORK_INT8 = 1 << 24
 
 
 class _Lib:
