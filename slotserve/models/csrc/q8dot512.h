@@ -96,8 +96,68 @@ static inline __attribute__((always_inline)) void NAME##_tile(                  
         }                                                                                     \
     }                                                                                         \
 }
+
+/* From Q8_MR + 1 activation rows on, a tile of weight rows is decoded once into the caller's
+   stack buffers (`u`, `dw`: nr rows of `pairs` block pairs) and every group of activation rows
+   reads it from L1, instead of decoding it again per group (the 262k-row output projection at
+   8 and 32 sequences). */
+#define Q8_512_DECODE(NAME, BYTES)                                                            \
+static inline void NAME##_decode(const uint8_t* w, int64_t row_bytes, int64_t nb, int nr,     \
+                                 __m512i* u, __m512* dw) {                                    \
+    int64_t pairs = (nb + 1) / 2;                                                             \
+    for (int j = 0; j < nr; j++)                                                              \
+        for (int64_t p = 0; p < pairs; p++) {                                                 \
+            const uint8_t* blk = w + j * row_bytes + (BYTES) * 2 * p;                         \
+            int two = 2 * p + 1 < nb;                                                         \
+            u[j * pairs + p] = u_##NAME(blk, two);                                            \
+            dw[j * pairs + p] = scales2(blk, (BYTES), two);                                   \
+        }                                                                                     \
+}
+
+/* The tile of Q8_512_TILE on weight rows decoded already. */
+static inline __attribute__((always_inline)) void q8_512_tile_pre(
+        const __m512i* u, const __m512* dw, int64_t nb, const uint8_t* act, int64_t arb,
+        int64_t k, float* y, int64_t ldy, const int mr, const int nr, const int shift) {
+    int64_t pairs = (nb + 1) / 2;
+    __m512 acc[Q8_MR][4];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t b = 2 * p;
+        const int two = b + 1 < nb;
+        const __mmask16 pair = two ? 0x0101 : 0x0001;
+        for (int i = 0; i < mr; i++) {
+            const uint8_t* ai = act + i * arb;
+            const float* ad = (const float*)(ai + k);
+            __m512i a = two ? _mm512_loadu_si512((const void*)(ai + 32 * b))
+                            : _mm512_zextsi256_si512(LOADU(ai + 32 * b));
+            __m512 da = _mm512_mask_broadcastss_ps(_mm512_set1_ps(ad[b]), 0xff00,
+                                                   _mm_set_ss(two ? ad[b + 1] : 0.0f));
+            __m512i init = _mm512_slli_epi32(
+                _mm512_maskz_expandloadu_epi32(pair, Q8_0_NEGSUM(ai, k, nb) + b), shift);
+            for (int j = 0; j < nr; j++) {
+                __m512i dot = _mm512_dpbusd_epi32(init, u[j * pairs + p], a);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_mul_ps(dw[j * pairs + p], da), acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (nr == 4) {
+            hsum4((v16)acc[i][0], (v16)acc[i][1], (v16)acc[i][2], (v16)acc[i][3], y + i * ldy);
+        } else {
+            for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+        }
+    }
+}
+
 Q8_512_TILE(q8_0, 34, 7)
 Q8_512_TILE(q4_0, 18, 3)
 Q8_512_TILE(q5_0, 22, 4)
+Q8_512_DECODE(q8_0, 34)
+Q8_512_DECODE(q4_0, 18)
+Q8_512_DECODE(q5_0, 22)
+#define Q8_PREDECODE 1
+#define Q8_PRE_PAIRS 32  /* k <= 2048: 4 decoded rows take 16 KiB of stack */
 
 #endif
