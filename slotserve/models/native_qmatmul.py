@@ -53,7 +53,10 @@ KERNEL = KernelSource(
     "qmatmul", CSRC / "qmatmul.c",
     # No contraction of the dequantizers' multiply-then-add: their values must be gguf's.
     # The instruction set comes from the CPU level (native_build.CPU_LEVELS).
-    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"))
+    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"),
+    # The int8 path splits its rows over an OpenMP team (libgomp.so.1: the one torch loaded
+    # already); a compiler without OpenMP builds it single-threaded.
+    link_variants=(("-fopenmp",), ()))
 
 # GGML type id -> name, for the types the kernel runs (gguf's enum of ggml.h's ggml_type).
 KERNEL_TYPES: dict[int, str] = {int(q): q.name for q in (
@@ -68,8 +71,11 @@ _ERRORS = {1: "the weight type has no kernel",
 _NR = 4  # the kernel's register tile: weight rows per tile, the split granularity
 _TILE_FLOATS = 48 * 1024  # the kernel uses at most this much scratch per thread (192 KiB)
 # Below this many multiply-adds per call the thread pool's hand-off (tens of microseconds)
-# costs more than it saves; the int8 path does about 3x the multiply-adds per second, so its
-# bar is higher. At one sequence only Gemma 3's 262k-row output projection is split.
+# costs more than it saves. The int8 path's OpenMP team hands off in microseconds on an idle
+# machine, but its master spins at the team's barrier while a descheduled worker catches up
+# (measured on the shared 2-core machine: a 1M multiply-add bar cost more CPU time than it
+# saved), so it splits only products of 16M and more: at one sequence, Gemma 3's 262k-row
+# output projection; from 8 sequences, the 4096-row MLP matrices too.
 _PARALLEL_MIN_WORK = 1 << 22
 _PARALLEL_MIN_WORK_INT8 = 1 << 24
 
@@ -84,7 +90,8 @@ class _Lib:
         self.rows.argtypes = [ctypes.c_int32, p, i, i, i, p, i, p, i]
         self.rows.restype = ctypes.c_int
         self.q8_matmul: Callable[..., int] = dll.slotserve_qmatmul_q8
-        self.q8_matmul.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i, i, i]
+        self.q8_matmul.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i, i, i,
+                                   ctypes.c_int32]
         self.q8_matmul.restype = ctypes.c_int
         self.quantize: Callable[..., int] = dll.slotserve_q8_quantize
         self.quantize.argtypes = [ctypes.c_int32, p, i, i, i, p, i]
@@ -251,31 +258,28 @@ class QuantWeight:
         if threads > 1:  # small products are not worth the pool's hand-offs
             bar = _PARALLEL_MIN_WORK_INT8 if self.int8 else _PARALLEL_MIN_WORK
             threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= bar else 1
-        run: Callable[[int, int, int], None]
         if self.int8:
             act = acts.get(self.act_kind) if acts is not None else None
             if act is None or act.shape[0] != m:
                 act = self.quantize(x)
                 if acts is not None:
                     acts[self.act_kind] = act
-            q8_args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, act.data_ptr(),
-                       act.numel(), m, out.data_ptr(), ldo)
+            rc = lib.q8_matmul(self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes,
+                               act.data_ptr(), act.numel(), m, out.data_ptr(), ldo, 0, n,
+                               threads)
+            if rc != 0:
+                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+            return
+        # float32 activations (`exact`): ranges of the Python pool, each with its scratch
+        scratch = _scratch(threads, k)
+        per = scratch.shape[1]
+        args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, x.data_ptr(), ldx,
+                m, out.data_ptr(), ldo)
 
-            def run(part: int, n0: int, n1: int) -> None:
-                del part
-                rc = lib.q8_matmul(*q8_args, n0, n1)
-                if rc != 0:
-                    raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
-        else:
-            scratch = _scratch(threads, k)
-            per = scratch.shape[1]
-            args = (self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes, x.data_ptr(), ldx,
-                    m, out.data_ptr(), ldo)
-
-            def run(part: int, n0: int, n1: int) -> None:
-                rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
-                if rc != 0:
-                    raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+        def run(part: int, n0: int, n1: int) -> None:
+            rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
+            if rc != 0:
+                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
 
         if threads <= 1:
             run(0, 0, n)

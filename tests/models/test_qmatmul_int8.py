@@ -59,7 +59,7 @@ def block_mins(data: np.ndarray, qtype: Q) -> np.ndarray | None:
 
 
 def parse_row(row: np.ndarray, kind: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kernel's quantized row (q8act.h's layout) as (q, d, s or bsums)."""
+    """The kernel's quantized row (q8act.h's layout) as (q, d, s or bsums or -sum(q))."""
     nb = k // (256 if kind == ref.Q8_K else 32)
     q = row[:k].view(np.int8)
     d = row[k:k + 4 * nb].view(np.float32)
@@ -67,8 +67,8 @@ def parse_row(row: np.ndarray, kind: int, k: int) -> tuple[np.ndarray, np.ndarra
         extra = row[k + 4 * nb:k + 4 * nb + 2 * (k // 16)].view(np.int16).astype(np.float32)
     elif kind == ref.Q8_1:
         extra = row[k + 4 * nb:k + 8 * nb].view(np.float32)
-    else:
-        extra = np.zeros(nb, np.float32)
+    else:  # Q8_0: -sum(q) per block, the unsigned-weight tiles' offset correction
+        extra = row[k + 4 * nb:k + 8 * nb].view(np.int32).astype(np.float32)
     return q, d, extra
 
 
@@ -100,9 +100,11 @@ def test_activations_quantize_as_llamacpp_rounds_them(level: native_build.CpuLev
     for i, row in enumerate(x.numpy()):
         q, d, extra = parse_row(got[i], kind, k)
         rq, rd, rextra = ref.quantize_row(row, kind)
+        if kind == ref.Q8_0:
+            rextra = -rq.reshape(-1, 32).astype(np.float32).sum(axis=1)
         assert np.array_equal(q, rq), f"row {i}: q differs at {np.flatnonzero(q != rq)[:5]}"
         assert np.array_equal(d, rd), f"row {i}: d"
-        assert np.array_equal(extra, rextra), f"row {i}: s / bsums"
+        assert np.array_equal(extra, rextra), f"row {i}: s / bsums / -sum(q)"
 
 
 @pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
@@ -190,7 +192,7 @@ def test_the_kernel_checks_its_arguments_itself() -> None:
 
     def call(qtype: int, row_bytes: int, n1: int, act_len: int) -> int:
         return lib.q8_matmul(qtype, w.ctypes.data, n, k, row_bytes, act.ctypes.data, act_len,
-                             2, y.ctypes.data, n, 0, n1)
+                             2, y.ctypes.data, n, 0, n1, 1)
 
     assert call(int(Q.Q8_0), 68, n, act.size) == 0
     assert call(int(Q.Q2_K), 68, n, act.size) == 1

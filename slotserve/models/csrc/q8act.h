@@ -8,8 +8,9 @@
  *     of every 16 q (bsums).
  *
  * The row layout is this project's own (the kernels read it, nothing else does): per row the
- * k int8 values, then float d per block, then (Q8_1) float s per block or (Q8_K) int16 bsums
- * per 16 values, the row padded to 64 bytes. The rounding loops are plain C that compilers
+ * k int8 values, then float d per block, then (Q8_0) int32 -sum(q) per block (the offset
+ * correction of q8dot512.h), (Q8_1) float s per block or (Q8_K) int16 bsums per 16 values,
+ * the row padded to 64 bytes. The rounding loops are plain C that compilers
  * vectorize at every level; the float16 rounding is spelled out so the portable build (no
  * F16C) gives the same bits. Included by qmatmul.c only. */
 #ifndef SLOTSERVE_Q8ACT_H
@@ -52,7 +53,7 @@ static inline int64_t act_block(int32_t kind) { return kind == ACT_Q8_K ? 256 : 
 /* Bytes of one quantized row of k values (k a multiple of the kind's block). */
 static inline int64_t act_row_bytes(int32_t kind, int64_t k) {
     int64_t nb = k / act_block(kind);
-    int64_t extra = kind == ACT_Q8_0 ? 4 * nb : kind == ACT_Q8_1 ? 8 * nb : 4 * nb + 2 * (k / 16);
+    int64_t extra = kind == ACT_Q8_K ? 4 * nb + 2 * (k / 16) : 8 * nb;
     return (k + extra + 63) / 64 * 64;
 }
 
@@ -74,6 +75,7 @@ static void quantize_q8_0_row(const float* x, int64_t k, uint8_t* row, int with_
         }
         ds[b] = round_f16(d);
         if (with_sum) ss[b] = round_f16((float)sum * d);
+        else { int32_t neg = -sum; memcpy(ss + b, &neg, 4); }
     }
 }
 

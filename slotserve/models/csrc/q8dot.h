@@ -228,54 +228,11 @@ static inline __attribute__((always_inline)) void NAME##_tile(                  
     for (int i = 0; i < mr; i++)                                                              \
         for (int j = 0; j < nr; j++) y[i * ldy + j] = hsum8(acc[i][j]) + extra[i][j];         \
 }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "q8dot512.h"
+#else
 Q8_TILE(q4_0, HEAD_Q4_0, 18, 32, 1, PDOT_SIGNED, ACT_Q8_0)
 Q8_TILE(q5_0, HEAD_Q5_0, 22, 32, 1, PDOT_SIGNED, ACT_Q8_0)
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* Q8_0 with AVX-512 VNNI (the 262k-row output projection): two blocks per 512-bit register.
-   Per block pair and weight row: |w|, the sign mask and the two scales, once per tile; per
-   activation row: its two scales once, then per weight row one masked negate (sign(a, w)),
-   one vpdpbusd, and the scaled multiply-add. An odd last block runs with a zero upper half. */
-static inline __attribute__((always_inline)) void q8_0_tile(
-        const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act, int64_t arb,
-        int64_t k, float* y, int64_t ldy, const int mr, const int nr) {
-    __m512 acc[Q8_MR][4];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        __m512i wabs[4];
-        __mmask64 neg[4];
-        __m512 dw[4];
-        for (int j = 0; j < nr; j++) {
-            const uint8_t* blk = w + j * row_bytes + 34 * b;
-            /* the quants of blocks b and b + 1: bytes 2..34 of each 34-byte block */
-            __m512i q = two ? _mm512_inserti64x4(_mm512_castsi256_si512(LOADU(blk + 2)),
-                                                 LOADU(blk + 36), 1)
-                            : _mm512_zextsi256_si512(LOADU(blk + 2));
-            wabs[j] = _mm512_abs_epi8(q);
-            neg[j] = _mm512_movepi8_mask(q);
-            dw[j] = _mm512_insertf32x8(_mm512_set1_ps(f16(blk)),
-                                       _mm256_set1_ps(two ? f16(blk + 34) : 0.0f), 1);
-        }
-        for (int i = 0; i < mr; i++) {
-            const uint8_t* ai = act + i * arb;
-            const float* ad = (const float*)(ai + k);
-            __m512i a = two ? _mm512_loadu_si512((const void*)(ai + 32 * b))
-                            : _mm512_zextsi256_si512(LOADU(ai + 32 * b));
-            __m512 da = _mm512_insertf32x8(_mm512_set1_ps(ad[b]),
-                                           _mm256_set1_ps(two ? ad[b + 1] : 0.0f), 1);
-            for (int j = 0; j < nr; j++) {
-                __m512i sa = _mm512_mask_sub_epi8(a, neg[j], _mm512_setzero_si512(), a);
-                __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs[j], sa);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(dw[j], da), _mm512_cvtepi32_ps(dot),
-                                            acc[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-#else
 Q8_TILE(q8_0, HEAD_Q8_0, 34, 32, 1, PDOT_SIGNED, ACT_Q8_0)
 #endif
 Q8_TILE(q4_1, HEAD_Q4_1, 20, 32, 1, PDOT_UNSIGNED, ACT_Q8_1)

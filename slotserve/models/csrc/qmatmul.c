@@ -341,6 +341,12 @@ void slotserve_qtype_layout(int32_t type, int32_t* block, int32_t* bytes) {
 
 #include "q8dot.h"
 
+/* The weight streams from DRAM once per step: the rows 4 KiB ahead are asked for into every
+   cache level (prefetcht0). Measured on the 262k x 640 Q8_0 output projection at one row:
+   prefetchnta, or 16 KiB and more ahead, left a third to half of the read bandwidth unused. */
+#ifndef Q8_PREFETCH_BYTES
+#define Q8_PREFETCH_BYTES 4096
+#endif
 #ifndef Q8_X_BLOCK_BYTES
 #define Q8_X_BLOCK_BYTES (256 * 1024)  /* quantized rows of x per pass: they stay in L2 */
 #endif
@@ -376,7 +382,7 @@ const char* slotserve_q8_isa(void) { return Q8_ISA; }
 
 #ifdef Q8_SIMD
 /* Four weight rows at a time against the activation rows of a pass, Q8_MR at a time; the
-   rows' bytes, and those PREFETCH_BYTES further on, requested first (the weight streams from
+   rows' bytes, and those Q8_PREFETCH_BYTES further on, requested first (the weight streams from
    DRAM once per step). */
 #define Q8_TILES(NAME, NR)                                                                    \
     for (int64_t i = m0; i < m1; i += Q8_MR) {                                                \
@@ -389,15 +395,15 @@ const char* slotserve_q8_isa(void) { return Q8_ISA; }
             default: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, Q8_MR, NR); break;  \
         }                                                                                     \
     }
-#define Q8_MM(NAME)                                                                           \
-static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
+#define Q8_MM(NAME, FN)                                                                       \
+static void FN(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
                       int64_t arb, int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,  \
                       int64_t n0, int64_t n1) {                                               \
     int64_t r = n0;                                                                           \
     for (; r + 4 <= n1; r += 4) {                                                             \
         const uint8_t* row = w + r * row_bytes;                                               \
         for (int64_t p = 0; p < 4 * row_bytes; p += 64)                                       \
-            __builtin_prefetch(row + p + PREFETCH_BYTES, 0, 0);                               \
+            __builtin_prefetch(row + p + Q8_PREFETCH_BYTES, 0, 3);                             \
         Q8_TILES(NAME, 4)                                                                     \
     }                                                                                         \
     for (; r < n1; r++) {                                                                     \
@@ -405,8 +411,51 @@ static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uin
         Q8_TILES(NAME, 1)                                                                     \
     }                                                                                         \
 }
-Q8_MM(q4_0) Q8_MM(q4_1) Q8_MM(q5_0) Q8_MM(q5_1) Q8_MM(q8_0) Q8_MM(q4_k) Q8_MM(q5_k)
-Q8_MM(q6_k)
+Q8_MM(q4_1, q4_1_mm) Q8_MM(q5_1, q5_1_mm) Q8_MM(q4_k, q4_k_mm) Q8_MM(q5_k, q5_k_mm)
+Q8_MM(q6_k, q6_k_mm)
+#ifdef Q8_PREDECODE
+/* More activation rows than one tile: each 4-row tile of weights decoded once (q8dot512.h). */
+#define Q8_MM_PRE(NAME, SHIFT)                                                                \
+Q8_MM(NAME, NAME##_mm_direct)                                                                 \
+static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
+                      int64_t arb, int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,  \
+                      int64_t n0, int64_t n1) {                                               \
+    int64_t pairs = (nb + 1) / 2;                                                             \
+    if (m1 - m0 <= Q8_MR || pairs > Q8_PRE_PAIRS) {                                           \
+        NAME##_mm_direct(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, n0, n1);              \
+        return;                                                                               \
+    }                                                                                         \
+    __m512i u[4 * Q8_PRE_PAIRS];                                                              \
+    __m512 dw[4 * Q8_PRE_PAIRS];                                                              \
+    for (int64_t r = n0; r < n1; r += 4) {                                                    \
+        const uint8_t* row = w + r * row_bytes;                                               \
+        int nr = n1 - r < 4 ? (int)(n1 - r) : 4;                                              \
+        for (int64_t p = 0; p < nr * row_bytes; p += 64)                                      \
+            __builtin_prefetch(row + p + Q8_PREFETCH_BYTES, 0, 3);                            \
+        NAME##_decode(row, row_bytes, nb, nr, u, dw);                                         \
+        for (int64_t i = m0; i < m1; i += Q8_MR) {                                            \
+            const uint8_t* a_ = act + i * arb;                                                \
+            float* y_ = y + i * ldy + r;                                                      \
+            int mr = m1 - i < Q8_MR ? (int)(m1 - i) : Q8_MR;                                  \
+            if (nr == 4) {                                                                    \
+                switch (mr) {                                                                 \
+                    case 1: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, 1, 4, SHIFT); break;\
+                    case 2: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, 2, 4, SHIFT); break;\
+                    case 3: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, 3, 4, SHIFT); break;\
+                    default: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, Q8_MR, 4, SHIFT);\
+                }                                                                             \
+            } else                                                                            \
+                for (int j = 0; j < nr; j++)                                                  \
+                    for (int i2 = 0; i2 < mr; i2++)                                           \
+                        q8_512_tile_pre(u + j * pairs, dw + j * pairs, nb, a_ + i2 * arb,     \
+                                        arb, k, y_ + i2 * ldy + j, ldy, 1, 1, SHIFT);         \
+        }                                                                                     \
+    }                                                                                         \
+}
+Q8_MM_PRE(q4_0, 3) Q8_MM_PRE(q5_0, 4) Q8_MM_PRE(q8_0, 7)
+#else
+Q8_MM(q4_0, q4_0_mm) Q8_MM(q5_0, q5_0_mm) Q8_MM(q8_0, q8_0_mm)
+#endif
 typedef void (*q8_mm_fn)(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
                          int64_t, int64_t, float*, int64_t, int64_t, int64_t);
 static q8_mm_fn q8_kernel(int32_t type) {
@@ -425,10 +474,13 @@ static q8_mm_fn q8_kernel(int32_t type) {
 #endif
 
 /* y[:, n0:n1] = x @ W[n0:n1]^T with x given as m rows quantized by slotserve_q8_quantize with
-   the kind slotserve_q8_act_kind(type) names (`act`, act_len bytes); y rows ldy floats apart. */
+   the kind slotserve_q8_act_kind(type) names (`act`, act_len bytes); y rows ldy floats apart.
+   `threads` > 1 splits [n0, n1) into that many ranges of whole 4-row tiles run by one OpenMP
+   team (the process's one pool, the one torch's own operators use: no second set of threads,
+   and a hand-off of a few microseconds instead of a Python pool's tens). */
 int slotserve_qmatmul_q8(int32_t type, const uint8_t* w, int64_t n, int64_t k,
         int64_t row_bytes, const uint8_t* act, int64_t act_len, int64_t m, float* y,
-        int64_t ldy, int64_t n0, int64_t n1) {
+        int64_t ldy, int64_t n0, int64_t n1, int32_t threads) {
     const qtype_info* t = find_type(type);
     int32_t kind = slotserve_q8_act_kind(type);
     if (!t || kind < 0) return QMM_BAD_TYPE;
@@ -439,15 +491,25 @@ int slotserve_qmatmul_q8(int32_t type, const uint8_t* w, int64_t n, int64_t k,
     if (act_len < m * arb) return QMM_SMALL_SCRATCH;
     int64_t mb = Q8_X_BLOCK_BYTES / arb;
     mb = mb < 1 ? 1 : mb;
-    for (int64_t m0 = 0; m0 < m; m0 += mb) {
-        int64_t m1 = m - m0 < mb ? m : m0 + mb;
-#ifdef Q8_SIMD
-        q8_kernel(type)(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, n0, n1);
-#else
-        for (int64_t r = n0; r < n1; r++)
-            for (int64_t i = m0; i < m1; i++)
-                y[i * ldy + r] = dot_row_portable(type, w + r * row_bytes, nb, act + i * arb, k);
+    int64_t tiles = (n1 - n0 + 3) / 4;
+    int parts = threads < 1 ? 1 : threads > tiles ? (int)(tiles < 1 ? 1 : tiles) : threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
 #endif
+    for (int part = 0; part < parts; part++) {
+        int64_t lo = n0 + tiles * part / parts * 4, hi = n0 + tiles * (part + 1) / parts * 4;
+        hi = hi < n1 ? hi : n1;
+        for (int64_t m0 = 0; m0 < m; m0 += mb) {
+            int64_t m1 = m - m0 < mb ? m : m0 + mb;
+#ifdef Q8_SIMD
+            q8_kernel(type)(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, lo, hi);
+#else
+            for (int64_t r = lo; r < hi; r++)
+                for (int64_t i = m0; i < m1; i++)
+                    y[i * ldy + r] = dot_row_portable(type, w + r * row_bytes, nb,
+                                                      act + i * arb, k);
+#endif
+        }
     }
     return QMM_OK;
 }
