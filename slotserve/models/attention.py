@@ -50,7 +50,9 @@ class BatchLayout:
     slots: np.ndarray  # [num_reqs] int64: each request's row of block_table
     q_lens: np.ndarray  # [num_reqs] int64 tokens scheduled this step
     num_computed: np.ndarray  # [num_reqs] int64 tokens already in the KV cache
-    num_decodes: int  # the first num_decodes requests schedule one token each
+    # The first num_decodes requests are decodes: one token each, or a token and its drafts
+    # (every query attends as a decode of its own position would).
+    num_decodes: int
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] int64 on the model's device
 
@@ -76,7 +78,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
     window: int | None = None  # as applied this step (None: attend to the whole context)
-    num_decodes: int = 0  # the first num_decodes tokens are single-token requests
+    num_decodes: int = 0  # the first num_decodes tokens are decode queries
     native: bool = False  # the decodes go to the native kernel
     # Native: [num_decodes, max_blocks] from each sequence's first block. Torch: flattened
     # [num_decodes * max_blocks] from the first block in the window, padded with 0.
@@ -149,10 +151,10 @@ class AttentionBackend:
 
     def _native_scratch(self, layout: BatchLayout) -> torch.Tensor:
         """Score rows for the kernel, one per thread: heads * the longest context decoded."""
-        nd = layout.num_decodes
-        longest = int(layout.num_computed[:nd].max()) + 1
+        _, ctx = decode_queries(layout)
+        longest = int(ctx.max())
         per_thread = self.num_heads * math.ceil(longest / layout.block_size) * layout.block_size
-        threads = max(1, min(torch.get_num_threads(), nd))
+        threads = max(1, min(torch.get_num_threads(), len(ctx)))
         have_threads, have = self._scratch.shape
         if have_threads < threads or have < per_thread:
             self._scratch = torch.empty(max(threads, have_threads),
@@ -162,12 +164,11 @@ class AttentionBackend:
     @staticmethod
     def _native_decodes(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The decodes' block-table rows from block 0 and their context lengths (CPU)."""
-        nd = layout.num_decodes
-        if not nd:
+        if not layout.num_decodes:
             return None
-        ctx = layout.num_computed[:nd] + 1
+        rows, ctx = decode_queries(layout)
         max_blocks = math.ceil(int(ctx.max()) / layout.block_size)
-        table = np.ascontiguousarray(layout.block_table[layout.slots[:nd], :max_blocks])
+        table = np.ascontiguousarray(layout.block_table[rows, :max_blocks])
         return torch.from_numpy(table), torch.from_numpy(ctx), max_blocks
 
     def _mask(self, allowed: np.ndarray) -> torch.Tensor:
@@ -178,13 +179,12 @@ class AttentionBackend:
                native_decodes: tuple[torch.Tensor, torch.Tensor, int] | None
                ) -> AttentionMetadata:
         bs, nd, dev = layout.block_size, layout.num_decodes, self.device
-        meta = AttentionMetadata(slot_mapping=layout.slot_mapping, window=window, num_decodes=nd,
-                                 native=native_decodes is not None)
+        rows, ctx = decode_queries(layout)
+        meta = AttentionMetadata(slot_mapping=layout.slot_mapping, window=window,
+                                 num_decodes=len(ctx), native=native_decodes is not None)
         if native_decodes is not None:
             meta.decode_block_ids, meta.decode_ctx_lens, meta.decode_max_blocks = native_decodes
         elif nd:
-            ctx = layout.num_computed[:nd] + 1
-            rows = layout.slots[:nd]
             lo = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
             first = lo // bs
             count = (ctx + bs - 1) // bs - first
@@ -196,7 +196,7 @@ class AttentionBackend:
             pos = (first * bs)[:, None] + np.arange(max_blocks * bs)[None, :]
             allowed = (pos >= lo[:, None]) & (pos < ctx[:, None])
             meta.decode_block_ids = torch.from_numpy(ids.reshape(-1)).to(dev)
-            meta.decode_mask = self._mask(allowed).view(nd, 1, 1, -1)
+            meta.decode_mask = self._mask(allowed).view(len(ctx), 1, 1, -1)
             meta.decode_max_blocks = max_blocks
         ends = np.cumsum(layout.q_lens)
         for i in range(nd, len(layout.slots)):
@@ -222,6 +222,18 @@ class AttentionBackend:
             span.mask = self._mask(allowed).view(1, 1, n, -1)
             meta.prefills.append(span)
         return meta
+
+
+def decode_queries(layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Each query token of the decode group: its block-table row and its context length. A
+    request verifying k drafts puts k + 1 queries here, each attending exactly as the decode
+    of that position would, so speculation changes no logit (not even its rounding)."""
+    nd = layout.num_decodes
+    q = layout.q_lens[:nd]
+    rows = np.repeat(layout.slots[:nd], q)
+    first = np.repeat(np.cumsum(q) - q, q)
+    ctx = np.repeat(layout.num_computed[:nd], q) + (np.arange(len(rows)) - first) + 1
+    return rows, ctx
 
 
 def _gather(blocks: torch.Tensor, ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:

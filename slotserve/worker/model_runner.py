@@ -230,14 +230,20 @@ class ModelRunner:
                                      f"slot") from exc
         q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in ids), dtype=np.int64,
                              count=len(ids))
-        # Single-token requests first: they form the batched decode group in attention.
-        order = np.argsort(q_lens > 1, kind="stable")
+        # Decodes first (one token, or one and its drafts): they form the batched decode group
+        # in attention.
+        drafts = so.scheduled_spec_decode_tokens
+        decode = q_lens == 1
+        if drafts:
+            decode |= q_lens == 1 + np.fromiter((len(drafts.get(r, ())) for r in ids),
+                                                dtype=np.int64, count=len(ids))
+        order = np.argsort(~decode, kind="stable")
         slots, q_lens = slots[order], q_lens[order]
         req_ids = [ids[i] for i in order]
+        num_decodes = int(decode.sum())
         num_computed = b.num_computed_tokens[slots]
         seq_lens = num_computed + q_lens
         # Drafts sit after a request's tokens (not counted in them until accepted).
-        drafts = so.scheduled_spec_decode_tokens
         n_drafts = write_drafts(b, req_ids, slots, drafts) if drafts else np.zeros_like(q_lens)
         known = b.num_tokens[slots] + n_drafts
         if (seq_lens > known).any():
@@ -247,7 +253,8 @@ class ModelRunner:
                 f"{int(num_computed[bad])} computed, but the worker knows "
                 f"{int(known[bad])} tokens")
 
-        input_ids, positions, meta = self._prepare_inputs(req_ids, slots, q_lens, num_computed)
+        input_ids, positions, meta = self._prepare_inputs(req_ids, slots, q_lens, num_computed,
+                                                          num_decodes)
         cu = np.cumsum(q_lens)
         # Only requests whose prefill completes this step produce a token; one with k drafts
         # is sampled at its last k + 1 positions (a row each: `offsets` 0..k).
@@ -284,7 +291,7 @@ class ModelRunner:
                                  counts, kept)
 
     def _prepare_inputs(self, req_ids: list[str], slots: np.ndarray, q_lens: np.ndarray,
-                        num_computed: np.ndarray
+                        num_computed: np.ndarray, num_decodes: int
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadataMap]:
         b, bs, dev = self.batch, self.block_size, self.device
         num_reqs = len(slots)
@@ -304,7 +311,7 @@ class ModelRunner:
         slot_mapping = b.block_table[rows, block_pos] * bs + positions % bs
         layout = BatchLayout(
             block_table=b.block_table, slots=slots, q_lens=q_lens, num_computed=num_computed,
-            num_decodes=int(np.searchsorted(q_lens > 1, True)),  # decodes come first
+            num_decodes=num_decodes,  # decodes come first
             block_size=bs, slot_mapping=torch.from_numpy(slot_mapping).to(dev))
         meta = self.model.build_attention_metadata(layout)
         return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta)

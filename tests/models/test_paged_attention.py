@@ -48,20 +48,23 @@ def stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
 
 def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_heads: int,
              head_dim: int, seed: int = 0, kv_dtype: torch.dtype = torch.float32,
-             device: torch.device = CPU) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+             device: torch.device = CPU, step: list[tuple[int, int]] = STEP,
+             num_decodes: int | None = None
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One mixed step through the attention layer on `device`: its outputs (on the CPU) and
-    the dense references."""
+    the dense references. `num_decodes`: how many leading requests form the decode group
+    (default: the single-token ones)."""
     gen = torch.Generator().manual_seed(seed)
-    lens = [nc + n for nc, n in STEP]
+    lens = [nc + n for nc, n in step]
     num_blocks = 1 + sum(math.ceil(n / block_size) for n in lens) + 5
     shape = (num_blocks, block_size, kv_heads, row_elems(head_dim, kv_dtype))
     k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = np.zeros((len(STEP), 16), dtype=np.int64)
+    table = np.zeros((len(step), 16), dtype=np.int64)
     queries, keys, values, slot_mapping, refs = [], [], [], [], []
     scale = head_dim ** -0.5
-    for r, ((nc, n), length) in enumerate(zip(STEP, lens, strict=True)):
+    for r, ((nc, n), length) in enumerate(zip(step, lens, strict=True)):
         nb = math.ceil(length / block_size)
         table[r, :nb], ids = ids[:nb], ids[nb:]
         k = stored(torch.randn(length, kv_heads, head_dim, generator=gen), kv_dtype)
@@ -83,14 +86,15 @@ def run_step(native: bool, window: int | None, block_size: int, heads: int, kv_h
                                native=native)
     assert backend.native == native
     layout = BatchLayout(
-        block_table=table, slots=np.arange(len(STEP)),
-        q_lens=np.array([n for _, n in STEP]), num_computed=np.array([nc for nc, _ in STEP]),
-        num_decodes=sum(n == 1 for _, n in STEP), block_size=block_size,
+        block_table=table, slots=np.arange(len(step)),
+        q_lens=np.array([n for _, n in step]), num_computed=np.array([nc for nc, _ in step]),
+        num_decodes=sum(n == 1 for _, n in step) if num_decodes is None else num_decodes,
+        block_size=block_size,
         slot_mapping=torch.cat(slot_mapping).to(device))
     meta = backend.build(layout)[window]
     out = paged_attention(torch.cat(queries).to(device), torch.cat(keys).to(device),
                           torch.cat(values).to(device), (k_cache, v_cache), meta, scale)
-    got = list(out.cpu().split([n for _, n in STEP]))
+    got = list(out.cpu().split([n for _, n in step]))
     return got, refs
 
 
@@ -118,6 +122,23 @@ def test_each_kv_cache_dtype_matches_dense_attention(native: bool, kv_dtype: tor
         pytest.skip("no C compiler: the native decode kernel cannot be built")
     got, refs = run_step(native, window, 4, 4, 2, 32, seed=5, kv_dtype=kv_dtype)
     for (nc, n), g, ref in zip(STEP, got, refs, strict=True):
+        torch.testing.assert_close(g, ref, atol=2e-5, rtol=1e-5,
+                                   msg=lambda m, nc=nc, n=n: f"({nc}, {n}): {m}")
+
+
+# Two requests verifying drafts (3 and 5 query tokens) inside the decode group, as the worker
+# places them: each query attends as the decode of its own position.
+SPEC_STEP = [(4, 1), (9, 3), (40, 1), (30, 5), (0, 17), (8, 4)]
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("window", [None, 6])
+def test_draft_rows_in_the_decode_group_match_dense_attention(native: bool,
+                                                              window: int | None) -> None:
+    if native and find_compiler() is None:
+        pytest.skip("no C compiler: the native decode kernel cannot be built")
+    got, refs = run_step(native, window, 4, 4, 2, 32, seed=3, step=SPEC_STEP, num_decodes=4)
+    for (nc, n), g, ref in zip(SPEC_STEP, got, refs, strict=True):
         torch.testing.assert_close(g, ref, atol=2e-5, rtol=1e-5,
                                    msg=lambda m, nc=nc, n=n: f"({nc}, {n}): {m}")
 
