@@ -21,6 +21,7 @@ from slotserve.check.trace import TraceRecorder
 from slotserve.config import EngineConfig
 from slotserve.core.outputs import (
     EngineCoreOutput,
+    FinishReason,
     GrammarOutput,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -137,9 +138,10 @@ class EngineCore:
         if request.grammar is not None and not request.continues_session:
             if self.structured_output_manager is None:
                 logger.info("request %s refused: no structured outputs", rid)
-                self.scheduler.report_end(rid, "error", "structured outputs are not "
-                                          "available: this engine was built without the "
-                                          "model's tokenizer", rejected=True)
+                self.scheduler.report_end(
+                    rid, FinishReason.ERROR.value, "structured outputs are not available: "
+                    "this engine was built without the model's tokenizer", rejected=True,
+                    session_end=FinishReason.REFUSED if request.resumable else None)
                 return
             # The scheduler keeps it WAITING_FOR_GRAMMAR until the compile is done.
             structured_output_request = self.structured_output_manager.make_request(
@@ -148,7 +150,7 @@ class EngineCore:
             rid, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, priority=request.priority,
             arrival_time=request.arrival_time, resumable=request.resumable,
-            structured_output_request=structured_output_request))
+            structured_output_request=structured_output_request, chunk=request.chunk))
 
     def has_waiting_grammars(self) -> bool:
         return bool(self.scheduler.waiting_for_grammar)
@@ -296,8 +298,13 @@ class EngineCore:
                      type(exc).__name__, exc, failed, exc_info=exc)
         # FINISHED_ERROR also drops the prefix-cache entries of these requests' blocks: they
         # were registered when scheduled, but their K/V was never written.
+        requests = self.scheduler.requests
+        outputs = [EngineCoreOutput(rid, [], FinishReason.ERROR.value, finished=True,
+                                    chunk=r.chunk, session_end=FinishReason.ERROR
+                                    if r.resumable else None)
+                   for rid in failed if (r := requests.get(rid)) is not None]
         self.observer.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(rid, [], finish_reason="error", finished=True) for rid in failed]
+        return outputs
 
 
 def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelConfig,
