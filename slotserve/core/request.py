@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import os
 import time
-from dataclasses import dataclass
 
 from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import RequestValidationError
@@ -44,18 +43,6 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_ERROR: "error",
     RequestStatus.WAITING_FOR_STREAMING_REQ: "stop",
 }
-
-
-@dataclass(slots=True)
-class StreamingUpdate:
-    """The next chunk of a streaming-input session (a later Request with the same id)."""
-
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int
-    eos_token_id: int | None
-    chunk: int
 
 
 def validate_token_ids(token_ids: object) -> list[int]:
@@ -151,13 +138,6 @@ class Request:
 
     def get_finished_reason(self) -> str | None:
         return _FINISH_REASON.get(self.status)
-
-    def to_streaming_update(self) -> StreamingUpdate | None:
-        """This request as the next chunk of a session, or None (the end-of-session mark)."""
-        if not self.resumable:
-            return None
-        return StreamingUpdate(self.prompt_token_ids, self.sampling_params, self.arrival_time,
-                               self.priority, self.eos_token_id, self.chunk)
 
     def __lt__(self, other: Request) -> bool:
         # Lower priority value first, then earlier arrival, then id for a total order.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.outputs import FinishReason
-from slotserve.core.request import Request, RequestStatus, StreamingUpdate
+from slotserve.core.request import Request, RequestStatus
 from slotserve.core.request_queue import RequestQueue
 from slotserve.errors import RequestValidationError
 
@@ -35,9 +35,8 @@ TIMEOUT_CHECK_INTERVAL_S = 1.0
 
 
 def kept_output_tokens(num_output_tokens: int) -> int:
-    """The fold rule: of a stopped chunk's outputs, a session keeps all but the last sampled
-    token, which was never fed through the model (the front counts a session's length with
-    this too)."""
+    # The fold rule: of a stopped chunk's outputs, a session keeps all but the last sampled
+    # token, which was never fed through the model.
     return max(0, num_output_tokens - 1)
 
 
@@ -65,8 +64,9 @@ class StreamingSessions:
     # Idle sessions (they keep KV + slot), and the `now` at which each stopped.
     idle: dict[str, Request] = field(default_factory=dict)
     idle_since: dict[str, float] = field(default_factory=dict)
-    # Per session: chunks (None: the end mark) that arrived while it was not idle.
-    queued: dict[str, deque[StreamingUpdate | None]] = field(default_factory=dict)
+    # Per session: chunks (later Requests with its id; None: the end mark) that arrived while
+    # it was not idle.
+    queued: dict[str, deque[Request | None]] = field(default_factory=dict)
     next_timeout_check: float = 0.0
     # Idle sessions whose slot was taken (past the grace period, or over the cap); counted
     # for stats only.
@@ -90,7 +90,7 @@ class StreamingSessions:
             raise RequestValidationError(
                 f"duplicate request id {request.request_id!r} (not a streaming session)",
                 "request_id")
-        queue.append(request.to_streaming_update())
+        queue.append(request if request.resumable else None)
         self._apply_queued(session, queue)
 
     def on_stop(self, request: Request, now: float) -> bool:
@@ -108,7 +108,7 @@ class StreamingSessions:
         self._apply_queued(request, queue)
         return False
 
-    def _apply_queued(self, session: Request, queue: deque[StreamingUpdate | None]) -> None:
+    def _apply_queued(self, session: Request, queue: deque[Request | None]) -> None:
         """An idle session takes its next queued chunk (or ends on its end mark); a chunk
         refused (it does not fit) is skipped, the session staying idle."""
         while queue and session.request_id in self.idle:
@@ -165,7 +165,7 @@ class StreamingSessions:
         important (largest priority value), then the longest idle. Ties keep idle order."""
         return request.priority, -self.idle_since[request.request_id]
 
-    def _promote(self, session: Request, update: StreamingUpdate) -> None:
+    def _promote(self, session: Request, update: Request) -> None:
         """Fold the next chunk into an idle session and queue it; it keeps KV and slot. A
         chunk the session cannot hold (the core alone knows its exact length) is refused as
         that chunk: the session stays idle, as it was."""
@@ -186,7 +186,7 @@ class StreamingSessions:
             session, lambda r: r.status == RequestStatus.WAITING and holds(r.request_id))
 
 
-def fold(request: Request, update: StreamingUpdate) -> None:
+def fold(request: Request, update: Request) -> None:
     """Apply the next input chunk to a stopped session.
 
     The outputs become part of the prompt, except the last sampled token (kept_output_tokens);

@@ -8,11 +8,11 @@ and detokenizes, and talks to it through an EngineCoreClient (engine/core_client
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import random
 import time
-from dataclasses import fields
 from typing import TYPE_CHECKING, Protocol
 
 from slotserve.check import InvariantChecker
@@ -118,10 +118,10 @@ class EngineCore:
         num_blocks = determine_num_blocks(model_config, args.block_size, kv_dtype, device,
                                           args.num_blocks, args.kv_cache_memory,
                                           args.max_num_seqs, bound)
-        config = args.create_engine_config(model_config.max_position_embeddings, num_blocks)
-        runner = ModelRunner((model, model_config), config.scheduler_config,
-                             config.cache_config, dtype=dtype, device=device, seed=args.seed,
-                             native_attention=args.native_attention)
+        config = dataclasses.replace(
+            args.create_engine_config(model_config.max_position_embeddings, num_blocks),
+            dtype=str(dtype).removeprefix("torch."), device=str(device))
+        runner = ModelRunner((model, model_config), config)
         overlap = args.grammar_bitmask_overlap
         if overlap is None:
             overlap = device.type != "cpu"
@@ -197,7 +197,7 @@ class EngineCore:
         memory = getattr(self.model_runner, "memory", None)
         # Every SchedulerStats field as the scheduler made it (a field added there reaches
         # EngineStats and /metrics without a second list here).
-        stats = EngineStats(**{f.name: getattr(s, f.name) for f in fields(s)},
+        stats = EngineStats(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
                             num_failed_steps=self.num_failed_steps,
                             num_failed_requests=self.num_failed_requests,
                             num_steps=self.num_steps, busy_s=self.busy_s,
