@@ -198,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                                quantization=args.quantization)
         qtimes = _time_quantized_matmuls()
     else:
-        cfg = dataclasses.replace(SHAPES[args.shape])
+        cfg = SHAPES[args.shape]
         if args.full_attention:
-            cfg.sliding_window = None
+            cfg = dataclasses.replace(cfg, sliding_window=None)
     runner, blocks = make_runner(cfg, args.batch, args.ctx, args.iters, args.block_size, real,
                                  args.kv_cache_dtype)
     admit(runner, args.batch, args.ctx, blocks)

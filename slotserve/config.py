@@ -123,6 +123,13 @@ class EngineConfig:
     trace_path: str | None = None
     # Publish KV-cache events (vLLM's format) on a ZMQ PUB socket bound here.
     kv_events_endpoint: str | None = None
+    # The model runner's: weights and activations dtype and device (as the core resolved
+    # them; "auto" where not: float32, a GPU when there is one), the sampler's seed, and
+    # whether decode attention may run in the native CPU kernel.
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int | None = None
+    native_attention: bool = True
 
     @property
     def max_model_len(self) -> int:

@@ -8,6 +8,7 @@ of those layers when it differs (Gemma 3: local base 10,000, global 1,000,000).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ GEMMA3_ROPE_THETA, GEMMA3_ROPE_LOCAL_THETA = 1_000_000.0, 10_000.0
 GEMMA3_QUERY_PRE_ATTN_SCALAR = 256
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float = 10000.0
     # "default" (plain RoPE), "llama3" (Llama 3.1 frequency smoothing) or "linear".
@@ -51,7 +52,7 @@ class RopeConfig:
     freq_factors: list[float] | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     model_type: str
@@ -157,7 +158,7 @@ class ModelConfig:
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             )
             if arch == "Gemma3ForCausalLM":
-                _apply_gemma3(cfg, raw, source)
+                cfg = dataclasses.replace(cfg, **_gemma3(raw, source))
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source}: bad or missing field ({exc!r})") from exc
         if heads % kv_heads != 0:
@@ -258,23 +259,24 @@ def _layer_types(raw: dict[str, Any], arch: str, num_layers: int, window: int | 
     return [SLIDING_ATTENTION] * num_layers  # Mistral: every layer
 
 
-def _apply_gemma3(cfg: ModelConfig, raw: dict[str, Any], source: str) -> None:
+def _gemma3(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Gemma 3 text: two RoPE bases, a query scale of its own, GeGLU, tied embeddings."""
     for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if raw.get(key):
             raise ModelLoadError(f"{source}: unsupported Gemma 3 setting {key}={raw[key]!r}")
-    cfg.rope = _rope(raw, source, FULL_ATTENTION, GEMMA3_ROPE_THETA)
-    cfg.rope_local = _rope(raw, source, SLIDING_ATTENTION, GEMMA3_ROPE_LOCAL_THETA,
-                           theta_key="rope_local_base_freq")
-    cfg.query_pre_attn_scalar = float(raw.get("query_pre_attn_scalar")
-                                      or GEMMA3_QUERY_PRE_ATTN_SCALAR)
-    cfg.hidden_act = str(raw.get("hidden_activation") or raw.get("hidden_act")
-                         or "gelu_pytorch_tanh")
-    if cfg.hidden_act != "gelu_pytorch_tanh":
-        raise ModelLoadError(f"{source}: unsupported Gemma 3 activation {cfg.hidden_act!r}")
+    hidden_act = str(raw.get("hidden_activation") or raw.get("hidden_act")
+                     or "gelu_pytorch_tanh")
+    if hidden_act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: unsupported Gemma 3 activation {hidden_act!r}")
     softcap = raw.get("final_logit_softcapping")
-    cfg.final_logit_softcapping = float(softcap) if softcap is not None else None
-    cfg.tie_word_embeddings = bool(raw.get("tie_word_embeddings", True))
+    return {"rope": _rope(raw, source, FULL_ATTENTION, GEMMA3_ROPE_THETA),
+            "rope_local": _rope(raw, source, SLIDING_ATTENTION, GEMMA3_ROPE_LOCAL_THETA,
+                                theta_key="rope_local_base_freq"),
+            "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar")
+                                           or GEMMA3_QUERY_PRE_ATTN_SCALAR),
+            "hidden_act": hidden_act,
+            "final_logit_softcapping": float(softcap) if softcap is not None else None,
+            "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True))}
 
 
 def _eos_ids(raw: dict[str, Any], gen: dict[str, Any] | None) -> list[int]:

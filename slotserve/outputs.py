@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from slotserve.core.outputs import LogprobsEntry
+from slotserve.core.outputs import FinishReason, LogprobsEntry
 
 
 class RequestOutputKind(enum.Enum):
@@ -70,8 +70,14 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    # True once the request is over; a streaming session's chunk boundary has a finish_reason
-    # on outputs[0] while this stays False.
+    # True once the request (a streaming session: the whole session) is over.
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # A streaming session's events: the chunk this output belongs to (the index it was
+    # submitted with), whether the output ends that chunk (its finish_reason says how; the
+    # session waits for the next; `rejected`: the chunk was refused, the session goes on), and
+    # once `finished`, why the session ended (end, idle_timeout, length, refused, error).
+    chunk: int = 0
+    chunk_done: bool = False
+    session_end: FinishReason | None = None

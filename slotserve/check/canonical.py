@@ -44,7 +44,7 @@ from slotserve.check.events import idle_thresholds
 
 if TYPE_CHECKING:
     from slotserve.check.harness import Harness
-    from slotserve.core.request import StreamingUpdate
+    from slotserve.core.request import Request
     from slotserve.sampling_params import SamplingParams
 
 
@@ -120,7 +120,7 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
     def params_form(p: SamplingParams) -> tuple[Any, ...]:
         return (p.max_tokens, p.min_tokens, tuple(p.stop_token_ids or ()), p.ignore_eos)
 
-    def update_form(u: StreamingUpdate | None) -> tuple[Any, ...] | None:
+    def update_form(u: Request | None) -> tuple[Any, ...] | None:
         if u is None:
             return None
         return (tuple(u.prompt_token_ids), params_form(u.sampling_params),

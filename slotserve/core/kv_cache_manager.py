@@ -181,6 +181,12 @@ class KVCacheManager:
     def holds_blocks(self, request_id: str) -> bool:
         return bool(self.req_to_blocks.get(request_id))
 
+    def holds_whole_cache(self, request_id: str) -> bool:
+        """Only this request holds blocks: if it cannot grow, it never will."""
+        pool = self.block_pool
+        held = len(self.get_blocks(request_id))
+        return pool.get_num_free_blocks() + held == pool.num_usable_blocks
+
     def truncate_hashes(self, request: Request) -> None:
         """After a session drops its uncomputed last token, forget hashes beyond the tokens."""
         n_full = request.num_tokens // self.block_size

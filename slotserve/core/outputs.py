@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,12 +98,25 @@ class ModelRunnerOutput:
     failed: dict[str, str] | None = None
 
 
+class FinishReason(enum.StrEnum):
+    """A request or a session's chunk ends with STOP, LENGTH, ABORT or ERROR (as the API
+    spells them); a session with END (its end mark), IDLE_TIMEOUT, LENGTH (it outgrew the KV
+    cache), REFUSED (its first chunk was) or ERROR: what /v1/sessions' session.done says."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    END = "end"
+    IDLE_TIMEOUT = "idle_timeout"
+    REFUSED = "refused"
+
+
 @dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    # "stop", "length", "abort", "error" or None. A streaming session's chunk boundary also
-    # carries a finish reason while `finished` stays False (the session pauses).
+    # "stop", "length", "abort", "error" or None (a FinishReason's value).
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     new_logprobs: list[LogprobsEntry] | None = None
@@ -115,3 +129,10 @@ class EngineCoreOutput:
     # compile, or not in time): finish_reason is "error", finish_message the reason, and the
     # front reports it as a bad request (HTTP 400), not as a failed model step.
     rejected: bool = False
+    # A session's events, each for the chunk it names (the index the front gave it): the
+    # output ends its chunk (chunk_done: it stopped, or was refused, `rejected`), and the
+    # session waits for its next one, or the session is over too (finished, and session_end
+    # says why; an end between chunks is an output of the last chunk, not chunk_done).
+    chunk: int = 0
+    chunk_done: bool = False
+    session_end: FinishReason | None = None

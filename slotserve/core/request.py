@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import enum
+import os
 import time
-from dataclasses import dataclass
 
 from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams
+
+# The core trusts the requests the front validated (engine/processor.py); under
+# SLOTSERVE_CHECK (every test) it asserts them again where they are built and admitted
+# (check_request), which a served core would pay as an O(prompt) scan in its step process.
+CHECK_REQUESTS = os.environ.get("SLOTSERVE_CHECK", "") not in ("", "0", "false", "False")
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,18 +45,7 @@ _FINISH_REASON = {
 }
 
 
-@dataclass(slots=True)
-class StreamingUpdate:
-    """The next chunk of a streaming-input session (a later Request with the same id)."""
-
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int
-    eos_token_id: int | None
-
-
-def validate_token_ids(token_ids: object, *, allow_empty: bool = False) -> list[int]:
+def validate_token_ids(token_ids: object) -> list[int]:
     if not isinstance(token_ids, list | tuple):
         raise RequestValidationError("prompt_token_ids must be a list of integers",
                                      "prompt_token_ids")
@@ -61,8 +55,6 @@ def validate_token_ids(token_ids: object, *, allow_empty: bool = False) -> list[
                                          "prompt_token_ids")
         if t < 0:
             raise RequestValidationError(f"prompt token id {t} is negative", "prompt_token_ids")
-    if not token_ids and not allow_empty:
-        raise RequestValidationError("the prompt is empty", "prompt")
     return list(token_ids)
 
 
@@ -72,7 +64,7 @@ class Request:
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "num_preemptions", "block_hashes", "max_tokens", "structured_output_request",
-        "__weakref__",
+        "chunk", "__weakref__",
     )
 
     def __init__(
@@ -87,18 +79,13 @@ class Request:
         resumable: bool = False,
         cache_salt: str | None = None,
         structured_output_request: StructuredOutputRequest | None = None,
+        chunk: int = 0,
     ) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise RequestValidationError("request_id must be a non-empty string", "request_id")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise RequestValidationError("sampling_params must be a SamplingParams",
-                                         "sampling_params")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise RequestValidationError("priority must be an integer", "priority")
-        # Empty prompts are legal only as streaming continuations; the scheduler decides.
-        self.prompt_token_ids = validate_token_ids(prompt_token_ids, allow_empty=True)
+        if CHECK_REQUESTS:
+            check_request(request_id, prompt_token_ids, sampling_params, priority)
+        self.prompt_token_ids = list(prompt_token_ids)
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
@@ -117,6 +104,9 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         # The grammar every kept output token advances (a session's spans its chunks).
         self.structured_output_request = structured_output_request
+        # The session chunk it is, as the front numbered it (0 for any other request); the
+        # fold sets it to each next chunk's, and every output echoes it.
+        self.chunk = chunk
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property
@@ -149,13 +139,6 @@ class Request:
     def get_finished_reason(self) -> str | None:
         return _FINISH_REASON.get(self.status)
 
-    def to_streaming_update(self) -> StreamingUpdate | None:
-        """This request as the next chunk of a session, or None (the end-of-session mark)."""
-        if not self.resumable:
-            return None
-        return StreamingUpdate(self.prompt_token_ids, self.sampling_params, self.arrival_time,
-                               self.priority, self.eos_token_id)
-
     def __lt__(self, other: Request) -> bool:
         # Lower priority value first, then earlier arrival, then id for a total order.
         return (self.priority, self.arrival_time, self.request_id) < (
@@ -164,3 +147,25 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "
                 f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+def check_request(request_id: object, prompt_token_ids: object, sampling_params: object,
+                  priority: object) -> None:
+    """What the front guarantees of a core request (asserted under SLOTSERVE_CHECK)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestValidationError("request_id must be a non-empty string", "request_id")
+    if not isinstance(sampling_params, SamplingParams):
+        raise RequestValidationError("sampling_params must be a SamplingParams",
+                                     "sampling_params")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise RequestValidationError("priority must be an integer", "priority")
+    validate_token_ids(prompt_token_ids)
+
+
+def check_new_request(request: Request) -> None:
+    """A request that starts (not a session's next chunk), asserted under SLOTSERVE_CHECK."""
+    if not request.prompt_token_ids:
+        raise RequestValidationError("the prompt is empty", "prompt")
+    if request.status != RequestStatus.WAITING or request.num_output_tokens:
+        raise RequestValidationError(f"request {request.request_id!r} was already used",
+                                     "request_id")

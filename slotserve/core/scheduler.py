@@ -15,16 +15,16 @@ from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from slotserve.core.request import Request, RequestStatus
+from slotserve.core.request import CHECK_REQUESTS, Request, RequestStatus, check_new_request
 from slotserve.core.request_queue import create_request_queue
 from slotserve.core.sched_utils import SchedulerStats, check_stop, make_stats
 from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
-from slotserve.errors import RequestValidationError
 from slotserve.spec_decode.scheduling import SpecDecodeScheduler
 
 RUNNING = RequestStatus.RUNNING
@@ -58,6 +58,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.sessions = StreamingSessions(scheduler_config.streaming_session_timeout_s,
                                           self.kv_cache_manager, self.waiting, self._end_request,
+                                          self.report_end,
                                           scheduler_config.idle_slot_grace_s,
                                           scheduler_config.max_idle_sessions)
         # The engine's clock as of the latest schedule(now) or update_from_output(..., now):
@@ -76,15 +77,12 @@ class Scheduler:
         if existing is not None:
             self.sessions.add_chunk(existing, request)
             return
-        if not request.prompt_token_ids:
-            raise RequestValidationError("the prompt is empty", "prompt")
-        if request.status != RequestStatus.WAITING or request.num_output_tokens:
-            raise RequestValidationError(f"request {request.request_id!r} was already used",
-                                         "request_id")
+        if CHECK_REQUESTS:  # the front validated it; asserted under SLOTSERVE_CHECK
+            check_new_request(request)
         reason = self.kv_cache_manager.unfittable_reason(request.num_tokens)
-        if reason is not None:
+        if reason is not None:  # refused (a session's first chunk: the session with it)
             request.status = RequestStatus.FINISHED_IGNORED
-            self.report_end(request.request_id, "length", reason)
+            self.report_end(request, "length", reason, session_end=FinishReason.REFUSED)
             return
         self.requests[request.request_id] = request
         self.sessions.start(request)
@@ -134,20 +132,25 @@ class Scheduler:
             self.spec.forget(request)
 
     def _end_request(self, request: Request, status: RequestStatus, message: str | None,
-                     rejected: bool = False) -> None:
-        """End a request outside update_from_output (an idle session's end or timeout, a
-        sequence that outgrew the cache, a failed grammar): free it, report its end."""
+                     rejected: bool = False, session_end: FinishReason | None = None) -> None:
+        """End a request outside update_from_output (refused, an idle session's end or
+        timeout, outgrown, a failed grammar): free it, report its end (and a session's)."""
         request.status = status
         self._free_request(request)
-        self.report_end(request.request_id, request.get_finished_reason(), message, rejected)
+        self.report_end(request, request.get_finished_reason(), message, rejected,
+                        session_end=session_end)
 
-    def report_end(self, request_id: str, finish_reason: str | None, message: str | None,
-                   rejected: bool = False) -> None:
-        """Every output made outside a step (an end, an error, a refusal), for the next
-        update_from_output."""
+    def report_end(self, request: Request | str, finish_reason: str | None,
+                   message: str | None, rejected: bool = False, *, chunk: int = 0,
+                   session_end: FinishReason | None = None, finished: bool = True) -> None:
+        """Every output made outside a step (an end, an error, a refusal; not `finished`: a
+        chunk refused, its session goes on), for the next update_from_output."""
+        if isinstance(request, Request):
+            chunk, session_end = request.chunk, session_end if request.resumable else None
+            request = request.request_id
         self.pending_outputs.append(EngineCoreOutput(
-            request_id, [], finish_reason, finished=True, finish_message=message,
-            rejected=rejected))
+            request, [], finish_reason, finished=finished, finish_message=message,
+            rejected=rejected, chunk=chunk, chunk_done=not finished, session_end=session_end))
 
     def _admit_grammars(self) -> None:
         """Requests whose grammar is ready join the queue; a failed one is refused."""
@@ -158,7 +161,8 @@ class Scheduler:
                 continue
             del self.waiting_for_grammar[r.request_id]
             if grammar.error is not None:
-                self._end_request(r, RequestStatus.FINISHED_ERROR, grammar.error, True)
+                self._end_request(r, RequestStatus.FINISHED_ERROR, grammar.error, True,
+                                  FinishReason.REFUSED)
             else:
                 r.status = RequestStatus.WAITING
                 self.waiting.add_request(r)
@@ -179,8 +183,8 @@ class Scheduler:
         self.preempted_req_ids.add(request.request_id)
 
     def _reclaim_idle_slot(self, session: Request) -> None:
-        """An idle session gives up slot and KV (past its grace period while a request waits
-        for a slot, or over the idle cap); it keeps its tokens and recomputes them later."""
+        """An idle session gives up slot and KV (past its grace period while a request waits,
+        or over the idle cap); it keeps its tokens and recomputes them later."""
         self._reclaim_kv(session)
         self.sessions.num_slots_reclaimed += 1
 
@@ -198,10 +202,7 @@ class Scheduler:
         return ok
 
     def _idle_kv_holders(self) -> list[Request]:
-        holds = self.kv_cache_manager.holds_blocks
-        out = [r for r in self.sessions.idle.values() if holds(r.request_id)]
-        out.extend(r for r in self.waiting if holds(r.request_id))
-        return out
+        return self.sessions.kv_holders()
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self, now: float | None = None) -> SchedulerOutput:
@@ -262,7 +263,7 @@ class Scheduler:
                         scheduled_running.remove(victim)
                 else:
                     victim = running.pop()
-                if victim is r and self._can_never_grow(r):
+                if victim is r and kv.holds_whole_cache(r.request_id):
                     self._end_outgrown(r)
                 else:
                     self._preempt_request(victim)
@@ -294,13 +295,8 @@ class Scheduler:
         return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
     def _end_outgrown(self, r: Request) -> None:
-        self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED, "the sequence outgrew the whole KV cache")
-
-    def _can_never_grow(self, r: Request) -> bool:
-        # Only r holds blocks and even the whole cache cannot take its next token.
-        pool = self.kv_cache_manager.block_pool
-        held = len(self.kv_cache_manager.get_blocks(r.request_id))
-        return pool.get_num_free_blocks() + held == pool.num_usable_blocks
+        self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED, "the sequence outgrew "
+                          "the whole KV cache", False, FinishReason.LENGTH)
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           scheduled_new: list[Request]) -> tuple[int, Request | None]:
@@ -468,7 +464,7 @@ class Scheduler:
                 lp = lp[:n_new]
             if not stopped:
                 outputs.append(EngineCoreOutput(req_id, new_tokens, None, None, lp,
-                                                r.num_cached_tokens))
+                                                r.num_cached_tokens, chunk=r.chunk))
                 continue
             finish_reason = r.get_finished_reason()
             stop_reason = r.stop_reason
@@ -476,14 +472,19 @@ class Scheduler:
                 self.running.remove(r)
             else:
                 self.waiting.remove_request(r)
+            chunk = r.chunk  # a queued chunk may be folded in at once (on_stop)
             # A failed grammar ends a session too: its next chunk could not be constrained.
             finished = message is not None or self.sessions.on_stop(r, self.now)
             if finished:
                 # A failed grammar (message) ends the request with an error, but the step ran:
                 # the K/V its blocks hold is valid and other requests may share it.
                 self._free_request(r, kv_written=message is not None)
+            session_end = (None if not (finished and r.resumable) else FinishReason.END
+                           if message is None else FinishReason.ERROR)
             outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
-                                            r.num_cached_tokens, finished, message))
+                                            r.num_cached_tokens, finished, message,
+                                            chunk=chunk, chunk_done=r.resumable,
+                                            session_end=session_end))
         return outputs
 
     def _fail_requests(self, failed: dict[str, str]) -> None:
@@ -494,12 +495,11 @@ class Scheduler:
             if r is None or r.status not in (RUNNING, PREEMPTED):
                 continue  # finished meanwhile, or a session that has moved on
             self.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
-            self.report_end(req_id, "error", message)
+            self.report_end(r, FinishReason.ERROR.value, message, session_end=FinishReason.ERROR)
 
     # -------------------------------------------------------------------------- queries
     def get_num_unfinished_requests(self) -> int:
-        # Paused sessions do not keep the engine busy (as in vLLM).
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running)  # idle sessions do not count (vLLM)
 
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running or self.finished_req_ids

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slotserve.core.kv_cache_manager import KVCacheManager
-from slotserve.core.request import Request, RequestStatus, StreamingUpdate
+from slotserve.core.outputs import FinishReason
+from slotserve.core.request import Request, RequestStatus
 from slotserve.core.request_queue import RequestQueue
 from slotserve.errors import RequestValidationError
 
@@ -34,14 +35,14 @@ TIMEOUT_CHECK_INTERVAL_S = 1.0
 
 
 def kept_output_tokens(num_output_tokens: int) -> int:
-    """The fold rule: of a stopped chunk's outputs, a session keeps all but the last sampled
-    token, which was never fed through the model (the front counts a session's length with
-    this too)."""
+    # The fold rule: of a stopped chunk's outputs, a session keeps all but the last sampled
+    # token, which was never fed through the model.
     return max(0, num_output_tokens - 1)
 
 
-# How the scheduler ends a request it holds: set the status, free it, report the end.
-EndRequest = Callable[[Request, RequestStatus, str | None], None]
+# How the scheduler ends a request it holds: set the status, free it, report the end
+# (request, status, message, rejected, why the session ended).
+EndRequest = Callable[[Request, RequestStatus, str | None, bool, FinishReason | None], None]
 
 
 # Whether the worker holds a slot for a request id (the scheduler's SlotLedger.holds).
@@ -54,6 +55,8 @@ class StreamingSessions:
     kv_cache_manager: KVCacheManager
     waiting: RequestQueue
     end_request: EndRequest
+    # Scheduler.report_end: how a refused chunk is reported.
+    report_end: Callable[..., None]
     # How long an idle session keeps a slot that a waiting request needs, and how many idle
     # sessions may keep slot and KV at all (None: no cap).
     grace_s: float = 1.0
@@ -61,8 +64,9 @@ class StreamingSessions:
     # Idle sessions (they keep KV + slot), and the `now` at which each stopped.
     idle: dict[str, Request] = field(default_factory=dict)
     idle_since: dict[str, float] = field(default_factory=dict)
-    # Per session: chunks (None: the end mark) that arrived while it was not idle.
-    queued: dict[str, deque[StreamingUpdate | None]] = field(default_factory=dict)
+    # Per session: chunks (later Requests with its id; None: the end mark) that arrived while
+    # it was not idle.
+    queued: dict[str, deque[Request | None]] = field(default_factory=dict)
     next_timeout_check: float = 0.0
     # Idle sessions whose slot was taken (past the grace period, or over the cap); counted
     # for stats only.
@@ -86,13 +90,8 @@ class StreamingSessions:
             raise RequestValidationError(
                 f"duplicate request id {request.request_id!r} (not a streaming session)",
                 "request_id")
-        update = request.to_streaming_update()
-        if session.request_id not in self.idle:
-            queue.append(update)
-        elif update is None:
-            self.end_request(session, RequestStatus.FINISHED_ABORTED, None)
-        else:
-            self._promote(session, update)
+        queue.append(request if request.resumable else None)
+        self._apply_queued(session, queue)
 
     def on_stop(self, request: Request, now: float) -> bool:
         """A stopped request: True if it is finished, False if a session went idle (or was
@@ -106,11 +105,19 @@ class StreamingSessions:
         request.status = IDLE
         self.idle[request.request_id] = request
         self.idle_since[request.request_id] = now
-        if queue:
-            update = queue.popleft()
-            assert update is not None
-            self._promote(request, update)
+        self._apply_queued(request, queue)
         return False
+
+    def _apply_queued(self, session: Request, queue: deque[Request | None]) -> None:
+        """An idle session takes its next queued chunk (or ends on its end mark); a chunk
+        refused (it does not fit) is skipped, the session staying idle."""
+        while queue and session.request_id in self.idle:
+            update = queue.popleft()
+            if update is None:
+                self.end_request(session, RequestStatus.FINISHED_ABORTED, None, False,
+                                 FinishReason.END)
+            else:
+                self._promote(session, update)
 
     def expire(self, now: float) -> None:
         """End the sessions idle for longer than the timeout."""
@@ -121,7 +128,8 @@ class StreamingSessions:
                    if now - self.idle_since[rid] > self.timeout_s]
         for r in expired:
             self.end_request(r, RequestStatus.FINISHED_ABORTED,
-                             f"streaming session idle for more than {self.timeout_s:g} s")
+                             f"streaming session idle for more than {self.timeout_s:g} s",
+                             False, FinishReason.IDLE_TIMEOUT)
 
     def slot_for_waiting(self, now: float, holds_slot: HoldsSlot) -> Request | None:
         """The idle session whose slot a waiting request may take: one idle for longer than
@@ -145,19 +153,32 @@ class StreamingSessions:
         holders.sort(key=self._reclaim_rank, reverse=True)
         return holders[:len(holders) - cap]
 
+    def kv_holders(self) -> list[Request]:
+        """The requests that hold KV while not running: idle sessions, waiting promoted ones."""
+        holds = self.kv_cache_manager.holds_blocks
+        out = [r for r in self.idle.values() if holds(r.request_id)]
+        out.extend(r for r in self.waiting if holds(r.request_id))
+        return out
+
     def _reclaim_rank(self, request: Request) -> tuple[int, float]:
         """Which idle session gives up its slot first: the highest rank, i.e. the least
         important (largest priority value), then the longest idle. Ties keep idle order."""
         return request.priority, -self.idle_since[request.request_id]
 
-    def _promote(self, session: Request, update: StreamingUpdate) -> None:
-        """Fold the next chunk into an idle session and queue it; it keeps KV and slot."""
+    def _promote(self, session: Request, update: Request) -> None:
+        """Fold the next chunk into an idle session and queue it; it keeps KV and slot. A
+        chunk the session cannot hold (the core alone knows its exact length) is refused as
+        that chunk: the session stays idle, as it was."""
+        num_tokens = (session.num_tokens - session.num_output_tokens
+                      + kept_output_tokens(session.num_output_tokens)
+                      + len(update.prompt_token_ids))
+        reason = self.kv_cache_manager.unfittable_reason(num_tokens)
+        if reason is not None:
+            self.report_end(session.request_id, FinishReason.LENGTH.value, reason, True,
+                            chunk=update.chunk, finished=False)
+            return
         fold(session, update)
         self.kv_cache_manager.truncate_hashes(session)
-        reason = self.kv_cache_manager.unfittable_reason(session.num_tokens)
-        if reason is not None:
-            self.end_request(session, RequestStatus.FINISHED_IGNORED, reason)
-            return
         del self.idle[session.request_id], self.idle_since[session.request_id]
         # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.
         holds = self.kv_cache_manager.holds_blocks
@@ -165,7 +186,7 @@ class StreamingSessions:
             session, lambda r: r.status == RequestStatus.WAITING and holds(r.request_id))
 
 
-def fold(request: Request, update: StreamingUpdate) -> None:
+def fold(request: Request, update: Request) -> None:
     """Apply the next input chunk to a stopped session.
 
     The outputs become part of the prompt, except the last sampled token (kept_output_tokens);
@@ -191,5 +212,6 @@ def fold(request: Request, update: StreamingUpdate) -> None:
     request.eos_token_id = update.eos_token_id
     request.arrival_time = update.arrival_time
     request.priority = update.priority
+    request.chunk = update.chunk
     request.stop_reason = None
     request.status = RequestStatus.WAITING

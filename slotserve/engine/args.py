@@ -186,4 +186,6 @@ class EngineArgs:
                                    cache_dtype=self.kv_cache_dtype)
         return EngineConfig(scheduler_config, cache_config, check=self.check,
                             trace_path=self.trace_path,
-                            kv_events_endpoint=self.kv_events_endpoint)
+                            kv_events_endpoint=self.kv_events_endpoint, dtype=self.dtype,
+                            device=self.device, seed=self.seed,
+                            native_attention=self.native_attention)

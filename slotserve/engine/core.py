@@ -8,11 +8,11 @@ and detokenizes, and talks to it through an EngineCoreClient (engine/core_client
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import random
 import time
-from dataclasses import fields
 from typing import TYPE_CHECKING, Protocol
 
 from slotserve.check import InvariantChecker
@@ -21,6 +21,7 @@ from slotserve.check.trace import TraceRecorder
 from slotserve.config import EngineConfig
 from slotserve.core.outputs import (
     EngineCoreOutput,
+    FinishReason,
     GrammarOutput,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -117,10 +118,10 @@ class EngineCore:
         num_blocks = determine_num_blocks(model_config, args.block_size, kv_dtype, device,
                                           args.num_blocks, args.kv_cache_memory,
                                           args.max_num_seqs, bound)
-        config = args.create_engine_config(model_config.max_position_embeddings, num_blocks)
-        runner = ModelRunner((model, model_config), config.scheduler_config,
-                             config.cache_config, dtype=dtype, device=device, seed=args.seed,
-                             native_attention=args.native_attention)
+        config = dataclasses.replace(
+            args.create_engine_config(model_config.max_position_embeddings, num_blocks),
+            dtype=str(dtype).removeprefix("torch."), device=str(device))
+        runner = ModelRunner((model, model_config), config)
         overlap = args.grammar_bitmask_overlap
         if overlap is None:
             overlap = device.type != "cpu"
@@ -137,9 +138,10 @@ class EngineCore:
         if request.grammar is not None and not request.continues_session:
             if self.structured_output_manager is None:
                 logger.info("request %s refused: no structured outputs", rid)
-                self.scheduler.report_end(rid, "error", "structured outputs are not "
-                                          "available: this engine was built without the "
-                                          "model's tokenizer", rejected=True)
+                self.scheduler.report_end(
+                    rid, FinishReason.ERROR.value, "structured outputs are not available: "
+                    "this engine was built without the model's tokenizer", rejected=True,
+                    session_end=FinishReason.REFUSED if request.resumable else None)
                 return
             # The scheduler keeps it WAITING_FOR_GRAMMAR until the compile is done.
             structured_output_request = self.structured_output_manager.make_request(
@@ -148,7 +150,7 @@ class EngineCore:
             rid, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, priority=request.priority,
             arrival_time=request.arrival_time, resumable=request.resumable,
-            structured_output_request=structured_output_request))
+            structured_output_request=structured_output_request, chunk=request.chunk))
 
     def has_waiting_grammars(self) -> bool:
         return bool(self.scheduler.waiting_for_grammar)
@@ -195,7 +197,7 @@ class EngineCore:
         memory = getattr(self.model_runner, "memory", None)
         # Every SchedulerStats field as the scheduler made it (a field added there reaches
         # EngineStats and /metrics without a second list here).
-        stats = EngineStats(**{f.name: getattr(s, f.name) for f in fields(s)},
+        stats = EngineStats(**{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
                             num_failed_steps=self.num_failed_steps,
                             num_failed_requests=self.num_failed_requests,
                             num_steps=self.num_steps, busy_s=self.busy_s,
@@ -296,8 +298,13 @@ class EngineCore:
                      type(exc).__name__, exc, failed, exc_info=exc)
         # FINISHED_ERROR also drops the prefix-cache entries of these requests' blocks: they
         # were registered when scheduled, but their K/V was never written.
+        requests = self.scheduler.requests
+        outputs = [EngineCoreOutput(rid, [], FinishReason.ERROR.value, finished=True,
+                                    chunk=r.chunk, session_end=FinishReason.ERROR
+                                    if r.resumable else None)
+                   for rid in failed if (r := requests.get(rid)) is not None]
         self.observer.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(rid, [], finish_reason="error", finished=True) for rid in failed]
+        return outputs
 
 
 def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelConfig,

@@ -113,7 +113,8 @@ class EngineCoreLoop:
                 # The front validated it, so the front and the core disagree: end it visibly.
                 logger.error("the engine core refused request %s: %s", payload.request_id, exc)
                 self.send(EngineCoreOutputs([EngineCoreOutput(
-                    payload.request_id, [], "error", finished=True, finish_message=str(exc))]))
+                    payload.request_id, [], "error", finished=True, finish_message=str(exc),
+                    chunk=payload.chunk)]))
         elif kind is EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
         elif kind is EngineCoreRequestType.WAKE:

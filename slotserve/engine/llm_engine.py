@@ -100,7 +100,7 @@ class LLMEngine:
     ) -> ProcessedRequest:
         """Validate and tokenize without submitting (raises RequestValidationError)."""
         existing = self.output_processor.groups.get(request_id)
-        session = None
+        later_chunk = None
         if existing is not None:
             if not existing.resumable:
                 raise RequestValidationError(f"request id {request_id!r} is already in use",
@@ -109,13 +109,17 @@ class LLMEngine:
                 raise RequestValidationError(
                     f"session {request_id!r} has ended: no input is taken after its end",
                     "request_id")
-            session = existing.session_num_tokens
+            # Whether the session can hold it is decided by the core, which knows its exact
+            # length: a chunk that does not fit is refused there, as that chunk.
+            later_chunk = 0
             check_session_chunk(existing.structured_outputs, params)
         return self.processor.process(
             request_id, prompt, params, priority=priority, resumable=resumable,
-            arrival_time=arrival_time, output_kind=output_kind, continuation_of=session)
+            arrival_time=arrival_time, output_kind=output_kind, continuation_of=later_chunk)
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
+        """Submit a processed request, or a session's next chunk (numbered here)."""
+        self.output_processor.number(processed)
         added: list[str] = []
         try:
             for request in processed.requests:

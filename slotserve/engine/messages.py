@@ -44,6 +44,9 @@ class EngineCoreRequest:
     # in the core meanwhile (an idle timeout); then the core drops the message, as its end has
     # already been sent.
     continues_session: bool = False
+    # A session's chunk index, given by the front (0, 1, ...; the end mark takes the next):
+    # every output of the chunk echoes it, and its end is an event (EngineCoreOutput).
+    chunk: int = 0
     # The llguidance grammar every output token must keep (built and checked by the front
     # from sampling_params.structured_outputs); the core compiles it before scheduling. A
     # session's grammar comes with its first chunk and spans all of them.

@@ -1,18 +1,19 @@
 """EngineCoreOutputs (token ids per core request) -> RequestOutputs (text, per caller request).
 
 Holds the per-request state that only the front of the engine needs: detokenizers, logprobs,
-timestamps, the n sequences of a request, and the chunk queue of streaming-input sessions.
+timestamps, the n sequences of a request. A streaming-input session's chunks are numbered
+when they are submitted, and each has its own state from then on, keyed by (request id,
+chunk): the core says when a chunk ends and when the session does (EngineCoreOutput), so the
+front keeps no copy of the session's state machine.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from slotserve.core.outputs import EngineCoreOutput, LogprobsEntry
-from slotserve.core.sessions import kept_output_tokens
+from slotserve.core.outputs import EngineCoreOutput, FinishReason, LogprobsEntry
 from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.engine.processor import ProcessedRequest
 from slotserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
@@ -21,11 +22,14 @@ from slotserve.sampling_params import StructuredOutputsParams
 
 @dataclass(slots=True)
 class SeqState:
-    """One generated sequence: one core Request (one chunk of it, for a session)."""
+    """One generated sequence: one core Request, or one chunk of a session."""
 
     request_id: str
     index: int
     group: RequestGroup
+    chunk: int
+    prompt: str | None
+    prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     want_logprobs: bool
@@ -35,9 +39,11 @@ class SeqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     finish_message: str | None = None
-    # The core refused the request as invalid (CompletionOutput.rejected).
+    # The core refused the request (or this chunk) as invalid (CompletionOutput.rejected).
     rejected: bool = False
     finished: bool = False
+    # A session's: why it ended (the core's session_end), once it has.
+    session_end: FinishReason | None = None
     num_cached_tokens: int = 0
     # What DELTA outputs have already handed out.
     sent_tokens: int = 0
@@ -60,29 +66,22 @@ class SeqState:
 
 @dataclass(slots=True)
 class RequestGroup:
-    """A caller's request: its n sequences, or the current chunk of a streaming session."""
+    """A caller's request and its n sequences, or a streaming session and the states of its
+    submitted chunks that have not ended."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     output_kind: RequestOutputKind
     resumable: bool
     seqs: list[SeqState] = field(default_factory=list)
     num_unfinished: int = 0
-    # Streaming sessions: idle between chunks; chunks (None = end of session) not yet begun.
-    idle: bool = False
-    queued: deque[ProcessedRequest | None] = field(default_factory=deque)
-    # Tokens the session holds in the engine once the current chunk is folded in.
-    session_num_tokens: int = 0
     # The constraint of the request (a session's: its first chunk's, for all chunks).
     structured_outputs: StructuredOutputsParams | None = None
-
-    @property
-    def ended(self) -> bool:
-        """The session's end was asked for: nothing more is taken (LLMEngine refuses it).
-        An end mark is always the last thing queued (one that finds the session idle
-        removes the group at once)."""
-        return bool(self.queued) and self.queued[-1] is None
+    # Sessions: the index the next chunk gets, the last chunk that ended (an end between
+    # chunks reports with its prompt and metrics), and whether the end mark was sent (then
+    # nothing more is taken: LLMEngine refuses it).
+    next_chunk: int = 0
+    last: SeqState | None = None
+    ended: bool = False
 
 
 def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
@@ -112,52 +111,50 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
-        self.seqs: dict[str, SeqState] = {}
-        # Groups with work in the engine (not idle sessions, which wait for input by design).
-        self._num_active = 0
-        # Outputs produced outside a step (a session ended while idle), returned next step.
-        self._pending_outputs: list[RequestOutput] = []
+        # The sequences (a session's: its submitted chunks) waiting for outputs, by (core
+        # request id, chunk).
+        self.seqs: dict[tuple[str, int], SeqState] = {}
+        # Sessions whose end mark was sent and whose end has not come back yet.
+        self._num_ending = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
     # ----- request lifetimes -----------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self._num_active > 0 or bool(self._pending_outputs)
+        # Idle sessions wait for input by design: they hold no sequence here.
+        return bool(self.seqs) or self._num_ending > 0
 
     def get_session(self, request_id: str) -> RequestGroup | None:
         group = self.groups.get(request_id)
         return group if group is not None and group.resumable else None
 
+    def number(self, processed: ProcessedRequest) -> None:
+        """Give a request its chunk index before it is submitted (0 but for a session's
+        later chunk or end mark)."""
+        group = self.groups.get(processed.request_id)
+        chunk = 0 if group is None else group.next_chunk
+        for request in processed.requests:
+            request.chunk, request.continues_session = chunk, chunk > 0
+
     def add_request(self, processed: ProcessedRequest) -> None:
+        """A submitted request, chunk or (a later one, not resumable) end-of-session mark."""
         group = self.groups.get(processed.request_id)
         if group is None:
-            group = RequestGroup(processed.request_id, processed.prompt,
-                                 processed.prompt_token_ids, processed.output_kind,
+            group = RequestGroup(processed.request_id, processed.output_kind,
                                  processed.resumable,
                                  structured_outputs=processed.params.structured_outputs)
             self.groups[group.request_id] = group
-            self._num_active += 1
-            self._start_chunk(group, processed)
+        group.next_chunk += 1
+        if not processed.resumable and group.resumable:
+            group.ended = True
+            self._num_ending += 1
             return
-        # The next chunk of a session, or (non-resumable) the end-of-session mark.
-        item = processed if processed.resumable else None
-        if group.idle:
-            self._resume(group, item)
-        else:
-            group.queued.append(item)
-
-    def _start_chunk(self, group: RequestGroup, processed: ProcessedRequest) -> None:
-        for seq in group.seqs:
-            self.seqs.pop(seq.request_id, None)
-        group.prompt = processed.prompt
-        group.prompt_token_ids = processed.prompt_token_ids
-        group.session_num_tokens += len(processed.prompt_token_ids)
-        group.seqs = []
         params = processed.params
         for index, request in enumerate(processed.requests):
             seq = SeqState(
-                request.request_id, index, group,
+                request.request_id, index, group, request.chunk, processed.prompt,
+                processed.prompt_token_ids,
                 IncrementalDetokenizer(self._tokenizer, processed.prompt_token_ids, params),
                 RequestMetrics(arrival_time=request.arrival_time,
                                num_prompt_tokens=len(processed.prompt_token_ids)),
@@ -166,29 +163,16 @@ class OutputProcessor:
             if seq.want_logprobs:
                 seq.logprobs, seq.cumulative_logprob = [], 0.0
             group.seqs.append(seq)
-            self.seqs[seq.request_id] = seq
-        group.num_unfinished = len(group.seqs)
-
-    def _resume(self, group: RequestGroup, item: ProcessedRequest | None) -> None:
-        if item is None:
-            # Ended while idle: the scheduler aborts it; the caller sees it finish now.
-            self._remove(group)
-            out = self._make_output(group, True, force=True)
-            assert out is not None
-            self._pending_outputs.append(out)
-            return
-        group.idle = False
-        self._num_active += 1
-        self._start_chunk(group, item)
+            self.seqs[seq.request_id, seq.chunk] = seq
+        group.num_unfinished += len(processed.requests)
 
     def _remove(self, group: RequestGroup) -> None:
         if self.groups.get(group.request_id) is group:
             del self.groups[group.request_id]
         for seq in group.seqs:
-            if self.seqs.get(seq.request_id) is seq:
-                del self.seqs[seq.request_id]
-        if not group.idle:
-            self._num_active -= 1
+            self.seqs.pop((seq.request_id, seq.chunk), None)
+        if group.ended:
+            self._num_ending -= 1
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget the given caller requests; returns the core request ids to abort."""
@@ -197,13 +181,19 @@ class OutputProcessor:
             group = self.groups.get(rid)
             if group is None:
                 continue
-            core_ids.extend(s.request_id for s in group.seqs if not s.finished)
+            if group.resumable:
+                core_ids.append(rid)  # idle or not, the session is over in the core too
+            else:
+                core_ids.extend(s.request_id for s in group.seqs if not s.finished)
             self._remove(group)
         return core_ids
 
     def mark_scheduled(self, request_ids: list[str], now: float) -> None:
         for rid in request_ids:
-            seq = self.seqs.get(rid)
+            seq = self.seqs.get((rid, 0))
+            if seq is None:  # a session's later chunk: the first of those not ended
+                group = self.groups.get(rid)
+                seq = group.seqs[0] if group is not None and group.seqs else None
             if seq is not None and seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
 
@@ -213,19 +203,19 @@ class OutputProcessor:
                         now: float) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs of this step and the core ids whose stop string matched
         (the caller aborts those in the engine core)."""
-        request_outputs, self._pending_outputs = self._pending_outputs, []
+        request_outputs: list[RequestOutput] = []
         to_abort: list[str] = []
-        changed: dict[str, RequestGroup] = {}
+        # In the order of the core's outputs: what changed, and sessions that ended between
+        # their chunks (an end mark, an idle timeout), keyed by chunk -1.
+        changed: dict[tuple[str, int], SeqState | EngineCoreOutput] = {}
         for out in outputs:
-            seq = self.seqs.get(out.request_id)
-            if seq is None or seq.finished:
-                continue  # aborted by the caller while the step ran
+            seq = self.seqs.get((out.request_id, out.chunk))
+            if seq is None:
+                if out.session_end is not None and out.request_id in self.groups:
+                    changed[out.request_id, -1] = out
+                continue  # or aborted by the caller while the step ran
             group = seq.group
-            if group.idle:
-                if out.finished:  # the engine ended an idle session (timeout)
-                    request_outputs.append(self._end_idle(group, out, now))
-                continue
-            changed[group.request_id] = group
+            changed[group.request_id, seq.chunk] = seq
             if out.new_token_ids:
                 self._append_tokens(seq, out, now)
             if out.num_cached_tokens:
@@ -238,33 +228,41 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
                 seq.finish_message, seq.rejected = out.finish_message, out.rejected
-                if out.finished or not group.resumable:
-                    self._finish_seq(seq, now)
-                else:
-                    seq.detokenizer.flush()
-                    seq.metrics.finished_time = now
-        for group in changed.values():
-            done = group.num_unfinished == 0
-            boundary = not done and group.resumable and group.seqs[0].finish_reason is not None
-            request_output = self._make_output(group, done, force=boundary)
+                self._finish_seq(seq, now)
+            if out.finished and group.resumable:
+                seq.session_end = out.session_end or FinishReason.ERROR
+        for item in changed.values():
+            if isinstance(item, EngineCoreOutput):
+                request_outputs.append(self._end_between_chunks(item))
+                continue
+            seq = item
+            group = seq.group
+            if not group.resumable:
+                done = group.num_unfinished == 0
+                request_output = self._make_output(group, group.seqs, done)
+                if done:
+                    self._remove(group)
+            else:
+                request_output = self._make_output(group, [seq], seq.session_end is not None,
+                                                   chunk_done=seq.finished)
+                if seq.session_end is not None:
+                    self._remove(group)
             if request_output is not None:
                 request_outputs.append(request_output)
-            if done:
-                self._remove(group)
-            elif boundary:
-                self._chunk_boundary(group)
         return request_outputs, to_abort
 
-    def _end_idle(self, group: RequestGroup, out: EngineCoreOutput, now: float) -> RequestOutput:
-        seq = group.seqs[0]
-        seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-        seq.finish_message = out.finish_message
-        seq.finished = True
-        seq.metrics.finished_time = now
+    def _end_between_chunks(self, out: EngineCoreOutput) -> RequestOutput:
+        """The session's last output: nothing new, and why it ended."""
+        group = self.groups[out.request_id]
+        last = group.last
         self._remove(group)
-        final = self._make_output(group, True, force=True)
-        assert final is not None
-        return final
+        return RequestOutput(
+            group.request_id, None if last is None else last.prompt,
+            [] if last is None else last.prompt_token_ids,
+            [CompletionOutput(0, "", [], None, None, out.finish_reason, out.stop_reason,
+                              out.finish_message, out.rejected)],
+            True, metrics=None if last is None else last.metrics, chunk=out.chunk,
+            session_end=out.session_end)
 
     def _append_tokens(self, seq: SeqState, out: EngineCoreOutput, now: float) -> None:
         m = seq.metrics
@@ -290,29 +288,29 @@ class OutputProcessor:
         seq.detokenizer.flush()
         seq.finished = True
         seq.metrics.finished_time = now
-        seq.group.num_unfinished -= 1
+        group = seq.group
+        group.num_unfinished -= 1
+        del self.seqs[seq.request_id, seq.chunk]
+        if group.resumable:  # the chunk ended: the session keeps only the chunks to come
+            group.seqs.remove(seq)
+            group.last = seq
 
-    def _chunk_boundary(self, group: RequestGroup) -> None:
-        """A session's chunk stopped: it goes idle, or starts its next queued chunk."""
-        group.session_num_tokens += kept_output_tokens(len(group.seqs[0].token_ids))
-        group.idle = True
-        self._num_active -= 1
-        if group.queued:
-            self._resume(group, group.queued.popleft())
-
-    def _make_output(self, group: RequestGroup, finished: bool, *,
-                     force: bool = False) -> RequestOutput | None:
+    def _make_output(self, group: RequestGroup, seqs: list[SeqState], finished: bool, *,
+                     chunk_done: bool = False) -> RequestOutput | None:
         kind = group.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not (finished or force):
+        if kind is RequestOutputKind.FINAL_ONLY and not (finished or chunk_done):
             return None
-        seqs = group.seqs
-        metrics = seqs[0].metrics if len(seqs) == 1 else _merge_metrics(seqs)
+        first = seqs[0]
+        metrics = first.metrics if len(seqs) == 1 else _merge_metrics(seqs)
         return RequestOutput(
             request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
             outputs=[s.completion(kind) for s in seqs],
             finished=finished,
             num_cached_tokens=max(s.num_cached_tokens for s in seqs),
             metrics=metrics,
+            chunk=first.chunk,
+            chunk_done=chunk_done,
+            session_end=first.session_end,
         )

@@ -188,8 +188,7 @@ class Processor:
         if not allow_empty and (_is_empty(ids) or (ids is None and _is_empty(text))):
             raise RequestValidationError("the prompt is empty", "prompt")
         if ids is not None or (isinstance(prompt, Mapping) and "prompt_token_ids" in prompt):
-            return (text if mapping and isinstance(text, str) else None), validate_token_ids(
-                ids, allow_empty=True)
+            return (text if mapping and isinstance(text, str) else None), validate_token_ids(ids)
         if isinstance(text, str):
             return text, self.tokenize(text)
         if mapping:
@@ -240,8 +239,9 @@ class Processor:
     ) -> ProcessedRequest:
         """Validate and build the core Requests.
 
-        `continuation_of` is the number of tokens a streaming session already holds when this
-        is its next chunk (None for a new request); it counts against max_model_len.
+        `continuation_of` is not None for a streaming session's next chunk: the tokens the
+        session holds as far as the caller knows, counted against max_model_len (the front
+        passes 0: the core, which knows the exact length, refuses a chunk that does not fit).
         """
         if not isinstance(request_id, str) or not request_id:
             raise RequestValidationError("request_id must be a non-empty string", "request_id")

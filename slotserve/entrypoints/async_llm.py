@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callab
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from slotserve.core.outputs import FinishReason
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.core_client import InprocClient
 from slotserve.engine.llm_engine import LLMEngine
@@ -40,10 +41,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StreamingInput:
-    """One input chunk of a streaming-input session."""
+    """One input chunk of a streaming-input session. A caller that validated it already
+    (the WebSocket handler, to refuse it as that message) passes what Processor.process made
+    of it, and it is submitted as it is."""
 
     prompt: str | list[int]
     sampling_params: SamplingParams | None = None
+    processed: ProcessedRequest | None = None
 
 
 class RequestFailedError(RuntimeError):
@@ -58,7 +62,7 @@ class RequestFailedError(RuntimeError):
 class _RequestStream:
     """Outputs of one request waiting for its consumer, on the event loop's side."""
 
-    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "boundaries")
+    __slots__ = ("request_id", "num_seqs", "items", "event", "error", "closed")
 
     def __init__(self, request_id: str, num_seqs: int = 1) -> None:
         self.request_id = request_id
@@ -66,7 +70,8 @@ class _RequestStream:
         self.items: list[RequestOutput] = []
         self.event = asyncio.Event()
         self.error: BaseException | None = None
-        self.boundaries = 0
+        # No more outputs will come (a session whose input ended before any chunk).
+        self.closed = False
 
     def put(self, out: RequestOutput) -> None:
         self.items.append(out)
@@ -86,16 +91,18 @@ class _RequestStream:
         return items
 
 
-def _is_boundary(out: RequestOutput) -> bool:
-    return not out.finished and bool(out.outputs) and out.outputs[0].finish_reason is not None
+def _ends_run(out: RequestOutput) -> bool:
+    """Deltas are merged up to an output that carries a finish (a chunk's or the request's)."""
+    return (out.finished or out.chunk_done
+            or (bool(out.outputs) and out.outputs[0].finish_reason is not None))
 
 
 def merge_deltas(items: list[RequestOutput]) -> list[RequestOutput]:
-    """Collapse consecutive delta outputs; a chunk boundary ends a group."""
+    """Collapse consecutive delta outputs; a chunk's end ends a group."""
     merged: list[RequestOutput] = []
     start = 0
     for i, out in enumerate(items):
-        if _is_boundary(out) or out.finished or i == len(items) - 1:
+        if _ends_run(out) or i == len(items) - 1:
             merged.append(_merge_run(items[start:i + 1]))
             start = i + 1
     return merged
@@ -121,9 +128,7 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
             prev.cumulative_logprob = c.cumulative_logprob
             prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
             prev.finish_message, prev.rejected = c.finish_message, c.rejected
-    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids,
-                         [by_index[i] for i in sorted(by_index)], last.finished,
-                         last.num_cached_tokens, last.metrics)
+    return dataclasses.replace(last, outputs=[by_index[i] for i in sorted(by_index)])
 
 
 class AsyncLLM:
@@ -262,27 +267,31 @@ class AsyncLLM:
                                 priority: int) -> AsyncIterator[RequestOutput]:
         stream = self._register(request_id)
         rid = stream.request_id
-        state = {"sent": 0, "done": False}
 
         async def feed() -> None:
+            first = True
             try:
                 async for chunk in inputs:
-                    prompt = chunk.prompt
-                    if isinstance(prompt, str) or state["sent"] == 0:
-                        prompt = await self.run_off_loop(self.processor.tokenize_chunk, prompt,
-                                                         state["sent"] == 0)
-                    self.engine.add_request(rid, {"prompt_token_ids": prompt},
-                                            chunk.sampling_params or default_params,
-                                            priority=priority, resumable=True,
-                                            output_kind=RequestOutputKind.DELTA)
-                    state["sent"] += 1
-                if state["sent"]:
+                    if chunk.processed is not None:
+                        self.engine.add_processed_request(chunk.processed)
+                    else:
+                        prompt = chunk.prompt
+                        if isinstance(prompt, str) or first:
+                            prompt = await self.run_off_loop(self.processor.tokenize_chunk,
+                                                             prompt, first)
+                        self.engine.add_request(rid, {"prompt_token_ids": prompt},
+                                                chunk.sampling_params or default_params,
+                                                priority=priority, resumable=True,
+                                                output_kind=RequestOutputKind.DELTA)
+                    first = False
+                if first:
+                    stream.closed = True  # no chunk came: there is no session to end
+                    stream.event.set()
+                else:
                     # A non-resumable request with the session's id ends the session once
-                    # its last chunk stops.
+                    # its last chunk stops; the core answers with the session's end.
                     self.engine.add_request(rid, {"prompt_token_ids": []}, default_params,
                                             priority=priority)
-                state["done"] = True
-                stream.event.set()
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -292,28 +301,20 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                while not stream.items:
+                while not stream.items and not stream.closed:
                     if stream.error is not None:
                         raise stream.error
-                    if state["done"] and stream.boundaries >= state["sent"]:
-                        # The last chunk already stopped: the end mark finishes it in the
-                        # engine; the caller has everything.
-                        finished = True
-                        break
                     stream.event.clear()
                     await stream.event.wait()
-                if finished:
+                if not stream.items:
                     break
                 items, stream.items = stream.items, []
                 for out in merge_deltas(items):
-                    if _is_boundary(out):
-                        stream.boundaries += 1
                     finished = out.finished
-                    if (finished and state["done"] and stream.boundaries >= state["sent"]
-                            and not any(c.token_ids for c in out.outputs)):
-                        # The session ended while idle on its end mark: the last chunk's
-                        # finish was already delivered. (An end the caller did not ask for,
-                        # an idle timeout, is yielded: its finish_message says why.)
+                    if out.session_end == FinishReason.END and not out.chunk_done:
+                        # Ended between chunks on the caller's end mark: the caller has
+                        # everything. (An end it did not ask for, an idle timeout, is
+                        # yielded: its finish_message says why.)
                         break
                     yield out
                     if finished:
@@ -323,7 +324,7 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await feeder
             self._streams.pop(rid, None)
-            if not finished or not state["done"]:
+            if not finished:
                 self.engine.abort_request(rid)
 
     async def abort(self, request_id: str | list[str]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slotserve.config import CacheConfig, SchedulerConfig
+from slotserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from slotserve.core.outputs import (
     GrammarOutput,
     LogprobsEntry,
@@ -74,18 +74,25 @@ class ModelRunner:
     def __init__(
         self,
         model: str | Path | tuple[DecoderForCausalLM, ModelConfig],
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
+        config: EngineConfig | SchedulerConfig,
+        cache_config: CacheConfig | None = None,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
         seed: int | None = None,
         native_attention: bool = True,
         quantization: str = "auto",
     ) -> None:
-        """`native_attention=False` keeps decode attention on the torch path even where the
-        native CPU kernel would build (EngineArgs.native_attention); `quantization` is
-        load_model's, for a runner that loads its model from a path."""
-        self.device = torch.device(device) if device is not None else default_device()
+        """Built from the engine's EngineConfig (`ModelRunner(model, config)`), or from its
+        parts. `native_attention=False` keeps decode attention on the torch path even where
+        the native CPU kernel would build; `quantization` is load_model's, for a runner that
+        loads its model from a path."""
+        if isinstance(config, EngineConfig):
+            cache_config, dtype, device = config.cache_config, config.dtype, config.device
+            seed, native_attention = config.seed, config.native_attention
+            config = config.scheduler_config
+        assert cache_config is not None, "a SchedulerConfig comes with its CacheConfig"
+        scheduler_config = config
+        self.device = torch.device(device) if device not in (None, "auto") else default_device()
         self.dtype = parse_dtype(dtype)
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config

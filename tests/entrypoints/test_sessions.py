@@ -123,3 +123,22 @@ def test_session_needs_api_key(served: Served) -> None:
         assert recv(ws)["type"] == "session.created"
         ws.send(json.dumps({"type": "end"}))
         assert recv(ws)["type"] == "session.done"
+
+
+def test_a_chunk_the_session_cannot_hold_is_refused_as_that_chunk(drained: Served) -> None:
+    from tests.entrypoints.conftest import MAX_MODEL_LEN
+
+    half = MAX_MODEL_LEN // 2
+    with connect(ws_url(drained.url), open_timeout=30) as ws:
+        recv(ws)
+        run_chunk(ws, 0, prompt=[1] + [300] * half, max_tokens=4)
+        # Fits alone, not after what the session holds: the engine refuses it as chunk 1.
+        ws.send(json.dumps({"type": "input", "prompt": [301] * half, "max_tokens": 2}))
+        msg = recv(ws)
+        assert msg["type"] == "error" and msg["fatal"] is False and msg["chunk"] == 1, msg
+        assert "max_model_len" in msg["error"]["message"]
+        assert len(run_chunk(ws, 2, prompt=[302, 303], max_tokens=3)) == 3
+        ws.send(json.dumps({"type": "end"}))
+        done = recv(ws)
+        assert done["type"] == "session.done" and done["reason"] == "end"
+        assert done["usage"]["completion_tokens"] == 7

@@ -12,8 +12,11 @@ Protocol (JSON text messages):
                         closes (1000); reason: "end" (the client's), "idle_timeout" (no input
                         for the idle timeout), "length" (the session outgrew the context)
                     {"type": "error", "error": {...}, "fatal": bool}  a refused message (the
-                        session goes on) or, fatal, a failed session (the socket closes, 1011)
-Each chunk is validated (and tokenized, off the event loop) here before it reaches the engine.
+                        session goes on) or, fatal, a failed session (the socket closes, 1011);
+                        a chunk the engine refused as too long for the session names it
+                        ("chunk": i; the session goes on, the next chunk is i + 1)
+Each chunk is validated (and tokenized, off the event loop) here, once: what the processor made
+of it is what the engine runs. Whether it fits the session's context the engine decides.
 A binary frame, any message after "end", and a chunk while 64 wait already are refused with an
 error message. A message over
 the server's size limit closes the socket with 1009 (uvicorn's ws_max_size). A dropped
@@ -34,7 +37,6 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from slotserve.core.sessions import kept_output_tokens
 from slotserve.engine.llm_engine import check_session_chunk
 from slotserve.entrypoints.async_llm import StreamingInput
 from slotserve.entrypoints.openai.admission import Ticket, client_key
@@ -43,6 +45,7 @@ from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
 from slotserve.entrypoints.openai.structured import rename_param, response_constraint
 from slotserve.errors import RequestValidationError
+from slotserve.outputs import RequestOutputKind
 from slotserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -51,8 +54,6 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED_CHUNKS = 64
 # A refused message's error reply must be taken within this (else the client is dropped).
 ERROR_SEND_TIMEOUT_S = 2.0
-# Why the engine ended a session the client had not ended, as session.done tells it.
-END_REASONS = {"abort": "idle_timeout", "length": "length"}
 # Sending to or receiving from a client that has gone raises one of these (Starlette's, or
 # the ASGI server's after the socket closed); _send and _receive turn them into _Gone.
 _SOCKET_ERRORS = (WebSocketDisconnect, RuntimeError, OSError)
@@ -85,14 +86,11 @@ class _Queued:
 
 
 class _SessionState:
-    __slots__ = ("held_tokens", "chunk_prompt_lens", "total_prompt", "total_completion",
+    __slots__ = ("session_id", "chunk_prompt_lens", "total_prompt", "total_completion",
                  "ended", "gone", "client", "tickets", "structured_outputs")
 
-    def __init__(self) -> None:
-        # Tokens the session holds in the engine as far as finished chunks tell (the fold rule
-        # of slotserve.core.sessions; an in-flight chunk's outputs are unknown, and the
-        # engine checks again exactly).
-        self.held_tokens = 0
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
         # The prompt length of each chunk accepted so far (their count: the chunks).
         self.chunk_prompt_lens: list[int] = []
         self.total_prompt = 0
@@ -112,7 +110,7 @@ class OpenAIServingSessions(OpenAIServing):
     async def handle(self, ws: WebSocket) -> None:
         await ws.accept()
         session_id = f"sess-{random_uuid()}"
-        state = _SessionState()
+        state = _SessionState(session_id)
         state.client = client_key(None, ws.client.host if ws.client is not None else None)
         inputs: asyncio.Queue[_Queued | None] = asyncio.Queue(MAX_QUEUED_CHUNKS)
         try:
@@ -187,7 +185,6 @@ class OpenAIServingSessions(OpenAIServing):
                     chunk = queued.chunk
                     if not state.chunk_prompt_lens and chunk.sampling_params is not None:
                         state.structured_outputs = chunk.sampling_params.structured_outputs
-                    state.held_tokens += len(chunk.prompt)
                     state.chunk_prompt_lens.append(len(chunk.prompt))
                     if queued.ticket is not None:
                         state.tickets.append(queued.ticket)
@@ -245,12 +242,12 @@ class OpenAIServingSessions(OpenAIServing):
         try:
             if not first:  # refused here, as this chunk: the session goes on
                 check_session_chunk(state.structured_outputs, params)
-            self.engine.processor.process(
-                "session-check", prompt, params, resumable=True,
-                continuation_of=None if first else state.held_tokens)
+            processed = self.engine.processor.process(
+                state.session_id, prompt, params, resumable=True,
+                output_kind=RequestOutputKind.DELTA, continuation_of=None if first else 0)
         except RequestValidationError as exc:
             raise rename_param(from_exception(exc), msg.response_format) from exc
-        return StreamingInput(prompt=prompt, sampling_params=params), msg.user
+        return StreamingInput(prompt, params, processed), msg.user
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
                      inputs: asyncio.Queue[_Queued | None]) -> None:
@@ -265,18 +262,17 @@ class OpenAIServingSessions(OpenAIServing):
         def ticket(index: int) -> Ticket | None:
             return state.tickets[index] if index < len(state.tickets) else None
 
-        chunk_index = 0
         chunk_tokens = 0
         reason, message = "end", None
         try:
             async for out in self.engine.generate(chunks(), request_id=session_id):
                 c = out.outputs[0]
                 chunk_tokens += len(c.token_ids)
-                current = ticket(chunk_index)
+                current = ticket(out.chunk)
                 if current is not None and admission is not None:
                     admission.started(current)
                 if c.text or c.token_ids:
-                    msg: dict[str, Any] = {"type": "delta", "chunk": chunk_index,
+                    msg: dict[str, Any] = {"type": "delta", "chunk": out.chunk,
                                            "text": c.text, "token_ids": c.token_ids}
                     if c.logprobs is not None:
                         msg["logprobs"] = [entry.get(t) for t, entry in
@@ -284,16 +280,19 @@ class OpenAIServingSessions(OpenAIServing):
                     await _send(ws, msg)
                 if out.finished and not state.ended:
                     # The engine ended a session the client had not ended.
-                    reason = END_REASONS.get(c.finish_reason or "", c.finish_reason or "end")
-                    message = c.finish_message
-                if c.finish_reason is not None and (c.token_ids or not out.finished
-                                                    or chunk_index < len(state.chunk_prompt_lens)):
+                    reason, message = out.session_end or "end", c.finish_message
+                if out.chunk_done:
                     if current is not None and admission is not None:
                         admission.finished(current)
-                    await _send(ws, self._chunk_done(state, chunk_index, chunk_tokens,
-                                                     c.finish_reason, c.stop_reason))
-                    state.held_tokens += kept_output_tokens(chunk_tokens)
-                    chunk_index += 1
+                    if c.rejected:  # the session cannot hold it: refused, the session goes on
+                        err = bad_request(c.finish_message or "the chunk does not fit",
+                                          "prompt")
+                        await _send(ws, {"type": "error", **err.body(), "fatal": False,
+                                         "chunk": out.chunk}, ERROR_SEND_TIMEOUT_S)
+                    else:
+                        await _send(ws, self._chunk_done(state, out.chunk, chunk_tokens,
+                                                         c.finish_reason or "stop",
+                                                         c.stop_reason))
                     chunk_tokens = 0
         except _Gone:
             state.gone = True
