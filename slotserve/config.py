@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from slotserve.errors import ConfigError
+from slotserve.lora.request import LoRAConfig
 
 # --quantization: "auto" keeps a GGUF file's quantized weights where a native kernel runs
 # them (models/quantization.py) and multiplies them with 8-bit activations as llama.cpp does;
@@ -60,6 +61,8 @@ class SchedulerConfig:
     # At most this many idle sessions keep their slot and KV; beyond it the least important,
     # longest-idle ones give theirs up at once (None: no cap but max_num_seqs).
     max_idle_sessions: int | None = None
+    # The worker's adapter slots (--max-loras with --enable-lora); 0: LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -120,6 +123,8 @@ class EngineConfig:
     trace_path: str | None = None
     # Publish KV-cache events (vLLM's format) on a ZMQ PUB socket bound here.
     kv_events_endpoint: str | None = None
+    # --enable-lora's settings (slotserve/lora); None: LoRA off.
+    lora_config: LoRAConfig | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import RequestValidationError
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 
@@ -72,7 +73,7 @@ class Request:
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "num_preemptions", "block_hashes", "max_tokens", "structured_output_request",
-        "__weakref__",
+        "lora_request", "__weakref__",
     )
 
     def __init__(
@@ -87,6 +88,7 @@ class Request:
         resumable: bool = False,
         cache_salt: str | None = None,
         structured_output_request: StructuredOutputRequest | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestValidationError("request_id must be a non-empty string", "request_id")
@@ -117,6 +119,8 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         # The grammar every kept output token advances (a session's spans its chunks).
         self.structured_output_request = structured_output_request
+        # Its adapter (None: the base model); the prefix cache keys its blocks by it.
+        self.lora_request = lora_request
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property

@@ -20,6 +20,7 @@ from slotserve.config import (
     check_mode,
 )
 from slotserve.errors import ConfigError, ModelLoadError
+from slotserve.lora.request import LoRAConfig, LoRARequest, parse_lora_modules
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,6 +97,14 @@ class EngineArgs:
         None, "fill grammar bitmasks on a helper thread during the forward pass (default: "
         "on an accelerator)")
 
+    # slotserve/lora: adapters batched on the base model.
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT folders) on the base model")
+    max_loras: int = _arg(1, "adapters in one step (the worker's adapter slots)")
+    max_lora_rank: int = _arg(16, "the largest adapter rank")
+    max_cpu_loras: int | None = _arg(None, "adapters kept read in host memory (default: "
+                                     "max_loras)")
+    lora_modules: list[str] | None = _arg(None, "adapters known at start: name=path ...")
+
     plugins: str | None = _arg(None, "comma-separated modules imported where the engine core "
                                "runs (vLLM's general plugins; they may add utilities)")
 
@@ -122,7 +131,21 @@ class EngineArgs:
             given["native_attention"] = False
         check_mode(given.get("quantization", "auto"))
         check_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
-        return cls(**given)
+        args = cls(**given)
+        args.lora_config()  # a ConfigError now, not when the engine starts
+        args.lora_requests()
+        return args
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("lora_modules needs enable_lora")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The adapters of --lora-modules, with ids 1, 2, ..."""
+        return parse_lora_modules(self.lora_modules)
 
     def model_path(self) -> str:
         path = os.path.expanduser(self.model)
@@ -172,10 +195,12 @@ class EngineArgs:
             idle_slot_grace_s=self.idle_slot_grace_s,
             max_idle_sessions=(max(1, self.max_num_seqs // 2) if self.max_idle_sessions is None
                                else self.max_idle_sessions),
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,
                                    cache_dtype=self.kv_cache_dtype)
         return EngineConfig(scheduler_config, cache_config, check=self.check,
                             trace_path=self.trace_path,
-                            kv_events_endpoint=self.kv_events_endpoint)
+                            kv_events_endpoint=self.kv_events_endpoint,
+                            lora_config=self.lora_config())

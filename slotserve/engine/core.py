@@ -120,7 +120,8 @@ class EngineCore:
         config = args.create_engine_config(model_config.max_position_embeddings, num_blocks)
         runner = ModelRunner((model, model_config), config.scheduler_config,
                              config.cache_config, dtype=dtype, device=device, seed=args.seed,
-                             native_attention=args.native_attention)
+                             native_attention=args.native_attention,
+                             lora_config=config.lora_config)
         overlap = args.grammar_bitmask_overlap
         if overlap is None:
             overlap = device.type != "cpu"
@@ -148,7 +149,8 @@ class EngineCore:
             rid, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, priority=request.priority,
             arrival_time=request.arrival_time, resumable=request.resumable,
-            structured_output_request=structured_output_request))
+            structured_output_request=structured_output_request,
+            lora_request=request.lora_request))
 
     def has_waiting_grammars(self) -> bool:
         return bool(self.scheduler.waiting_for_grammar)

@@ -15,6 +15,7 @@ from typing import Any
 
 from slotserve.core.outputs import EngineCoreOutput
 from slotserve.core.sched_utils import SchedulerStats
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 
@@ -48,6 +49,8 @@ class EngineCoreRequest:
     # from sampling_params.structured_outputs); the core compiles it before scheduling. A
     # session's grammar comes with its first chunk and spans all of them.
     grammar: str | None = None
+    # Its adapter (checked by the front); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

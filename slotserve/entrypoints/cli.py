@@ -58,6 +58,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == [bool]:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                help=help_text)
+        elif typing.get_origin(kind[0]) is list:
+            group.add_argument(*flags, dest=f.name, nargs="+", help=help_text)
         elif typing.get_origin(kind[0]) is Literal:
             group.add_argument(*flags, dest=f.name, choices=typing.get_args(kind[0]),
                                help=help_text)
@@ -84,6 +86,8 @@ def engine_flags(kwargs: dict[str, Any]) -> list[str]:
         flag = f"--{name.replace('_', '-')}"
         if isinstance(value, bool):
             flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags
