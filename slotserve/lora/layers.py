@@ -1,12 +1,13 @@
 """The worker's table of `max_loras` adapter slots, applied to a whole batch at once.
 
-`attach_lora` wraps each projection of the decoder (qkv, o, gate_up, down) in a `LoRALinear`
+`LoRASlots` wraps each projection of the decoder (qkv, o, gate_up, down) in a `LoRALinear`
 that adds the LoRA delta of every token's adapter to the base output: the base weights stay
 as they are (quantized or not), and a model without LoRA is never wrapped (zero cost). Each
 wrapped layer holds its slots' A and B stacked ([slots, shards * rank, in], [slots, out,
-shards * rank]; a fused layer's B is block-diagonal over its shards, so q/k/v or gate/up stay
-one matmul each). A step groups its tokens by slot (at most max_loras groups, as punica's
-sgmv does per segment): one gather, two matmuls and one scatter-add per adapter in the batch.
+rank]): a fused layer (q/k/v, gate/up) runs one A product for all its shards, then one B
+product per shard into its output columns. The runner orders a step's requests by slot, so
+each adapter's tokens are contiguous runs (as punica's sgmv takes segments): per adapter in
+the batch, two small matmuls on row slices, no gather or scatter.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ _WRAPPED = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
 
 
 class LoRABatch:
-    """This step's tokens by adapter slot: (slot, token rows or None for every token)."""
+    """This step's tokens by adapter slot: (slot, first token, end) runs; the runner orders
+    requests by slot (within decodes and within prefills), so each adapter's tokens are at
+    most two runs and a layer adds its delta to row slices, with no gather or scatter."""
 
     __slots__ = ("groups",)
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.groups: list[tuple[int, int, int]] = []
 
 
 class LoRALinear(nn.Module):
@@ -42,7 +45,6 @@ class LoRALinear(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.base, self.layer, self.batch = base, layer, batch
-        self.rank = cfg.max_lora_rank
         n_in = shapes[modules[0]][0]
         # (checkpoint module, first output row, rows)
         self.shards: list[tuple[str, int, int]] = []
@@ -50,32 +52,48 @@ class LoRALinear(nn.Module):
         for name in modules:
             self.shards.append((name, start, shapes[name][1]))
             start += shapes[name][1]
-        width = self.rank * len(modules)
-        self.lora_a = torch.zeros(cfg.max_loras, width, n_in, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(cfg.max_loras, start, width, dtype=dtype, device=device)
+        # Per slot: A of the shards stacked at the adapter's own rank r ([shards * r, in]
+        # used), B of each shard in its output rows ([out, r] used); r = 0: not targeted.
+        self.lora_a = torch.zeros(cfg.max_loras, len(modules) * cfg.max_lora_rank, n_in,
+                                  dtype=dtype, device=device)
+        self.lora_b = torch.zeros(cfg.max_loras, start, cfg.max_lora_rank, dtype=dtype,
+                                  device=device)
+        # Per slot, for the step: A^T [in, shards * r] and each shard's (columns, B^T), views
+        # made once when the slot is loaded; None: the adapter does not target this layer.
+        self.views: list[tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]] | None] = (
+            [None] * cfg.max_loras)
 
     def set_slot(self, slot: int, model: LoRAModel | None) -> None:
         a_all, b_all = self.lora_a[slot], self.lora_b[slot]
         a_all.zero_()
         b_all.zero_()
-        if model is None:
-            return
+        r = model.rank if model is not None else 0
+        targeted = False
         for k, (name, start, rows) in enumerate(self.shards):
-            ab = model.weights.get((self.layer, name))
+            ab = model.weights.get((self.layer, name)) if model is not None else None
             if ab is not None:
-                a, b = ab
-                col = k * self.rank
-                a_all[col:col + a.shape[0]].copy_(a)
-                b_all[start:start + rows, col:col + a.shape[0]].copy_(b)
+                targeted = True
+                a_all[k * r:(k + 1) * r].copy_(ab[0])
+                b_all[start:start + rows, :r].copy_(ab[1])
+        self.views[slot] = None if not targeted else (
+            a_all[:len(self.shards) * r].t(),
+            [(start, start + rows, b_all[start:start + rows, :r].t())
+             for _, start, rows in self.shards])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        for slot, rows in self.batch.groups:
-            a, b = self.lora_a[slot], self.lora_b[slot]
-            if rows is None:
-                y.add_((x @ a.t()) @ b.t())
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        for slot, t0, t1 in self.batch.groups:
+            views = self.views[slot]
+            if views is None:
+                continue
+            a_t, shards = views
+            xa = x[t0:t1] @ a_t
+            if len(shards) == 1:
+                y[t0:t1].addmm_(xa, shards[0][2])
+                continue
+            r = xa.shape[1] // len(shards)
+            for k, (c0, c1, b_t) in enumerate(shards):
+                y[t0:t1, c0:c1].addmm_(xa[:, k * r:(k + 1) * r], b_t)
         return y
 
 
@@ -104,13 +122,11 @@ class LoRASlots:
             layer.set_slot(slot, model)
 
     def set_tokens(self, token_slots: np.ndarray) -> None:
-        """token_slots[t]: the adapter slot of token t of the step (-1: the base model)."""
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        used = np.unique(token_slots)
-        if len(used) == 1 and used[0] >= 0:
-            groups.append((int(used[0]), None))
-        elif len(used) > 1:
-            for s in used[used >= 0].tolist():
-                rows = np.nonzero(token_slots == s)[0]
-                groups.append((s, torch.from_numpy(rows).to(self.device)))
-        self.batch.groups = groups
+        """token_slots[t]: the adapter slot of token t of the step (-1: the base model), in
+        runs (the runner sorts requests by slot)."""
+        edges = np.flatnonzero(np.diff(token_slots)) + 1
+        starts = np.concatenate(([0], edges)).tolist()
+        ends = np.concatenate((edges, [len(token_slots)])).tolist()
+        slots = token_slots[starts].tolist()
+        self.batch.groups = [(s, a, b) for s, a, b in zip(slots, starts, ends, strict=True)
+                             if s >= 0]

@@ -254,8 +254,10 @@ class ModelRunner:
                                      f"slot") from exc
         q_lens = np.fromiter((so.num_scheduled_tokens[r] for r in ids), dtype=np.int64,
                              count=len(ids))
-        # Single-token requests first: they form the batched decode group in attention.
-        order = np.argsort(q_lens > 1, kind="stable")
+        # Single-token requests first: they form the batched decode group in attention;
+        # with LoRA, by adapter slot within each group (slotserve/lora/layers.py).
+        order = (np.argsort(q_lens > 1, kind="stable") if self.lora is None
+                 else np.lexsort((self.lora_slot_of[slots], q_lens > 1)))
         slots, q_lens = slots[order], q_lens[order]
         req_ids = [ids[i] for i in order]
         num_computed = b.num_computed_tokens[slots]
