@@ -11,7 +11,14 @@ adapter holds a slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from slotserve.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from slotserve.core.request import Request
+    from slotserve.core.sessions import StreamingSessions
 
 
 class LoRASlotLedger:
@@ -62,6 +69,22 @@ class LoRASlotLedger:
         self.adapter_of[req_id] = aid
         self.tick += 1
         self.last_use[aid] = self.tick
+
+    def reclaim_idle(self, sessions: StreamingSessions, now: float,
+                     reclaim: Callable[[Request], None]) -> bool:
+        """For a request that waits for an adapter slot: the idle sessions past their grace
+        period that alone keep the least recently used such adapter's slot give up their
+        request slots and KV (`reclaim`), as for a waiting request's request slot. False when
+        there are none."""
+        past = {rid for rid in sessions.idle
+                if now - sessions.idle_since[rid] > sessions.grace_s}
+        pinned = [a for a in self.slot_of if self.users.get(a) and self.users[a] <= past]
+        if not pinned:
+            return False
+        victim = min(pinned, key=self.last_use.__getitem__)
+        for rid in sorted(self.users[victim]):
+            reclaim(sessions.idle[rid])
+        return True
 
     def release(self, req_id: str) -> None:
         aid = self.adapter_of.pop(req_id, None)

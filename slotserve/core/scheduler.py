@@ -333,8 +333,11 @@ class Scheduler:
                     passed_over.append(waiting.pop_request())
                     continue
             if not self.lora_slots.can_acquire(r.request_id, r.lora_request, new_adapters):
-                new_adapters = False
-                passed_over.append(waiting.pop_request())
+                # An idle session past its grace may give its adapter slot up (r asks again).
+                if not (new_adapters and self.lora_slots.reclaim_idle(
+                        self.sessions, self.now, self._reclaim_idle_slot)):
+                    new_adapters = False
+                    passed_over.append(waiting.pop_request())
                 continue
             if r.num_computed_tokens == 0:
                 hit_blocks, n_hit = kv.get_computed_blocks(r)

@@ -268,18 +268,19 @@ def test_states_equal_up_to_renaming_share_a_key() -> None:
 
 # --------------------------------------------------------------------------- adapter slots
 LORA_MENU = Menu(prompts=((1, 3, 1),), max_tokens=(2,), sessions=True, loras=(1, 2),
-                 resets=True)
+                 resets=True, ticks=True)
 LORA_CFG = ExploreConfig(max_num_seqs=2, num_blocks=6, block_size=2, max_num_batched_tokens=6,
                          max_loras=1, depth=6, menu=LORA_MENU)
 
 
 def test_adapter_slots_explored() -> None:
     # Two request slots, one adapter slot, two adapters (the base is covered by the CI
-    # exploration and the fuzzer), sessions, resets, aborts: every interleaving of 6 events
-    # keeps the adapter rules, and every state drains.
+    # exploration and the fuzzer), sessions past their grace period, resets, aborts: every
+    # interleaving of 6 events keeps the adapter rules, and every state drains.
     report = explore(LORA_CFG)
     assert report.violation is None, report.summary()
-    assert report.drained == report.distinct - 1 and report.distinct > 1000
+    assert report.drained == report.distinct - 1 and report.distinct > 10_000
+    assert report.effects["idle session's slot taken"] > 0
 
 
 def _forget_paused_adapter_users(monkeypatch: pytest.MonkeyPatch) -> None:

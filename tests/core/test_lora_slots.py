@@ -69,3 +69,18 @@ def test_prefix_cache_is_keyed_by_adapter() -> None:
     hits = d.sched.kv_cache_manager.prefix_cache_stats
     # Only p1b hits (p1's three full blocks); p2 and the base request compute everything.
     assert hits.hits == 12
+
+
+def test_an_idle_session_past_its_grace_gives_its_adapter_slot_up() -> None:
+    d = Harness(make_scheduler(block_size=4, max_loras=1, idle_slot_grace_s=0.0))
+    d.sched.add_request(req("s", LORAS[0], resumable=True))
+    d.step(STOP)
+    d.sched.add_request(req("x", LORAS[1]))
+    out, _ = d.step()
+    # The session gave up its request slot and KV (it recomputes later), and so its adapter.
+    assert out.preempted_req_ids == {"s"} and "x" in out.num_scheduled_tokens
+    assert {s: r.lora_int_id for s, r in out.lora_loads.items()} == {0: 2}
+    d.run_until_idle()
+    d.sched.add_request(req("s", None, resumable=False))
+    d.run_until_idle()
+    d.checker.assert_drained()
