@@ -187,6 +187,8 @@ def _lora_form(h: Harness, rid: dict[str, int]) -> tuple[Any, ...]:
     """The adapter-slot ledger (slots, users, LRU order, pending loads) and the checker's
     model of the worker's adapter table. Adapter ids are not renamed (the menu's few)."""
     ledger = h.sched.lora_slots
+    if not ledger.max_loras:
+        return ()
     lru = sorted(ledger.slot_of, key=ledger.last_use.__getitem__)
     return (tuple(ledger.adapter_in), tuple(lru),
             tuple(sorted((rid[r], a) for r, a in ledger.adapter_of.items())),

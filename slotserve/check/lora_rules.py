@@ -34,6 +34,8 @@ class LoRASlotModel:
         self.num_hashes_seen: dict[str, int] = {}  # request -> its hashes checked so far
 
     def on_schedule(self, out: SchedulerOutput) -> None:
+        if not self.max_loras:
+            return  # LoRA off: no request with an adapter gets a slot (lora_slots.py)
         users = self.users
         for rid in out.released_req_ids:
             users.pop(rid, None)

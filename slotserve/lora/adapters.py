@@ -133,6 +133,3 @@ class AdapterCache:
         while len(self._models) > self.capacity:
             self._models.popitem(last=False)
         return model
-
-    def __contains__(self, lora_int_id: int) -> bool:
-        return lora_int_id in self._models
