@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from slotserve.outputs import CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "AsyncLLM", "StreamingInput", "SamplingParams", "LLMEngine", "EngineArgs",
-           "RequestOutput", "CompletionOutput"]
+           "RequestOutput", "CompletionOutput", "LoRARequest"]
 
 # Imported on first use: these pull in torch and transformers, which `import slotserve`
 # (e.g. for SamplingParams in a client) should not pay for.

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from slotserve.errors import ConfigError
+from slotserve.lora.request import LoRAConfig
 from slotserve.spec_decode.config import SpeculativeConfig
 
 # --quantization: "auto" keeps a GGUF file's quantized weights where a native kernel runs
@@ -63,6 +64,8 @@ class SchedulerConfig:
     max_idle_sessions: int | None = None
     # Speculative decoding without a draft model (spec_decode/); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # The worker's adapter slots (--max-loras with --enable-lora); 0: LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -130,6 +133,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int | None = None
     native_attention: bool = True
+    # --enable-lora's settings (slotserve/lora); None: LoRA off.
+    lora_config: LoRAConfig | None = None
 
     @property
     def max_model_len(self) -> int:

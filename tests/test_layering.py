@@ -18,12 +18,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slotserve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Shared records every layer may use.
     ("base", ("slotserve.errors", "slotserve.config", "slotserve.sampling_params",
-              "slotserve.memory", "slotserve.model_config", "slotserve.spec_decode.config")),
+              "slotserve.memory", "slotserve.model_config", "slotserve.spec_decode.config",
+              "slotserve.lora.request")),
     # The scheduler-to-worker messages (DESIGN.md section 2): the contract between the two
     # layers sits beneath both, so the worker reads it without importing the scheduler.
     ("contract", ("slotserve.core.outputs",)),
     ("checkpoint", ("slotserve.checkpoint",)),
-    ("models", ("slotserve.models",)),
+    ("models", ("slotserve.models", "slotserve.lora")),
     ("worker", ("slotserve.worker",)),
     # Speculative decoding's proposers and draft bookkeeping are the scheduler's (pure Python).
     ("core", ("slotserve.core", "slotserve.spec_decode")),

@@ -4,7 +4,7 @@ renaming.
 The key covers everything that a later event can observe or that a check compares:
 the scheduler's queues (order where order matters), each request's tokens, cursor, params,
 priority and session queue; the KV manager's block tables and cached-block counts; the block
-pool's ref counts, hashes, free-queue order and hash map; the slot ledger; pending releases
+pool's ref counts, hashes, free-queue order and hash map; the slot ledger and the adapter-slot ledger; pending releases
 and outputs; the checker's model of the worker; the worker's slot holders; the in-flight
 outputs with their samplers; the client's open sessions; and the session clock. Three
 renamings and abstractions merge states that differ only in names:
@@ -147,7 +147,8 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
             len(r.output_token_ids), r.num_computed_tokens, r.max_tokens,
             params_form(r.sampling_params), r.eos_token_id, r.priority,
             time_rank[r.arrival_time], r.resumable, r.cache_salt,
-            tuple([hid(x) for x in r.block_hashes]), queue, idle, grammar))
+            tuple([hid(x) for x in r.block_hashes]), queue, idle, grammar,
+            r.lora_request.lora_int_id if r.lora_request else 0))
 
     blocks: list[tuple[int, int]] = [(0, 0)] * pool.num_blocks
     for b in pool.blocks:
@@ -182,7 +183,22 @@ def canonical_form(h: Harness) -> tuple[Any, ...]:
                for out, samplers in h.in_flight]),
         tuple([rid[r] for r in h.open_sessions]),
         now >= sessions.next_timeout_check,
+        _lora_form(h, rid),
     )
+
+
+def _lora_form(h: Harness, rid: dict[str, int]) -> tuple[Any, ...]:
+    """The adapter-slot ledger (slots, users, LRU order, pending loads) and the checker's
+    model of the worker's adapter table. Adapter ids are not renamed (the menu's few)."""
+    ledger = h.sched.lora_slots
+    if not ledger.max_loras:
+        return ()
+    lru = sorted(ledger.slot_of, key=ledger.last_use.__getitem__)
+    return (tuple(ledger.adapter_in), tuple(lru),
+            tuple(sorted((rid[r], a) for r, a in ledger.adapter_of.items())),
+            tuple(sorted((s, r.lora_int_id) for s, r in ledger.pending.items())),
+            tuple(sorted(h.checker.lora.slot_adapter.items())),
+            tuple(sorted((rid[r], s) for r, s in h.checker.lora.users.items())))
 
 
 # Block hashes are content hashes (no ids in them): interning them is a renaming-free map.

@@ -21,6 +21,8 @@ InvariantViolation naming the request and the rule the moment they disagree:
   run past the tokens by the drafts only; no block is hashed over a token that is not
   accepted (a request's hashed blocks lie within its tokens); after verification a request
   has computed exactly the tokens before its last (the rejected drafts rolled back);
+- adapter slots (check/lora_rules.py): at most max_loras adapters a step, no slot reloaded
+  while in use, block hashes keyed by adapter;
 - once everything has finished, no block is in use and no slot is held.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from slotserve.check.lora_rules import LoRASlotModel
 from slotserve.core.request import RequestStatus
 from slotserve.errors import InvariantViolation
 
@@ -53,6 +56,7 @@ class InvariantChecker:
         if full_block_scan_every is None:
             full_block_scan_every = max(1, scheduler.kv_cache_manager.block_pool.num_blocks // 2048)
         self.full_block_scan_every = full_block_scan_every
+        self.lora = LoRASlotModel(scheduler)
 
     @property
     def holders(self) -> set[str]:
@@ -139,6 +143,7 @@ class InvariantChecker:
         for r in sched.running:
             if r.request_id not in tables:
                 _fail("running holds slot", f"running request {r.request_id!r} has no slot")
+        self.lora.on_schedule(out)
         if sched.sessions.idle:
             self._check_idle_slots(out)
         if self.num_steps % self.full_block_scan_every == 0:
@@ -248,4 +253,6 @@ class InvariantChecker:
             _fail("leak", f"worker slots still held: {sorted(self.block_tables)}")
         if sched.slot_ledger.holders:
             _fail("leak", f"ledger still holds {sorted(sched.slot_ledger.holders)}")
+        if self.lora.users or sched.lora_slots.adapter_of:
+            _fail("leak", f"adapter slots still used by {sorted(self.lora.users)}")
         self.check_blocks()

@@ -32,6 +32,7 @@ from slotserve.check.grammar import CountingGrammar
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import InvariantViolation
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class Menu:
     ticks: bool = False
     max_live_requests: int = 3
     max_in_flight: int = 2
+    # Adapter ids a new request may use (0: the base model); see ExploreConfig.max_loras.
+    loras: tuple[int, ...] = (0,)
 
 
 class Event(Protocol):
@@ -75,6 +78,11 @@ def _params(max_tokens: int, min_tokens: int = 0, ignore_eos: bool = False) -> S
     # Shared between requests: nothing downstream of add_request mutates params.
     return SamplingParams(max_tokens=max_tokens, stop_token_ids=[STOP],
                           min_tokens=min(min_tokens, max_tokens), ignore_eos=ignore_eos)
+
+
+@functools.lru_cache(maxsize=64)
+def _lora(lora_id: int) -> LoRARequest | None:
+    return LoRARequest(f"lora{lora_id}", lora_id, f"/explorer/lora{lora_id}") if lora_id else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,7 @@ class Arrive:
     ignore_eos: bool = False
     # > 0: under a grammar (check.grammar.CountingGrammar) complete after this many tokens.
     grammar: int = 0
+    lora: int = 0  # > 0: the adapter with this id
 
     def apply(self, h: Harness) -> None:
         rid = h.new_request_id()
@@ -98,7 +107,8 @@ class Arrive:
             rid, list(self.prompt),
             _params(self.max_tokens, 0 if self.grammar else self.min_tokens, self.ignore_eos),
             eos_token_id=EOS, priority=self.priority, arrival_time=h.now,
-            resumable=self.resumable, structured_output_request=sor))
+            resumable=self.resumable, structured_output_request=sor,
+            lora_request=_lora(self.lora)))
         if self.resumable and rid in h.sched.requests:
             h.open_sessions.append(rid)
 
@@ -107,6 +117,7 @@ class Arrive:
                          f" min_tokens={self.min_tokens}" if self.min_tokens else "",
                          " ignore_eos" if self.ignore_eos else "",
                          f" grammar={self.grammar}" if self.grammar else "",
+                         f" lora={self.lora}" if self.lora else "",
                          " (a session)" if self.resumable else ""])
         return f"arrive {list(self.prompt)} max_tokens={self.max_tokens}{extra}"
 
@@ -114,10 +125,11 @@ class Arrive:
     def choices(cls, h: Harness, m: Menu) -> Iterator[Arrive]:
         if len(h.sched.requests) >= m.max_live_requests:
             return
-        for prompt, max_tokens, prio in itertools.product(m.prompts, m.max_tokens, m.priorities):
-            yield cls(prompt, max_tokens, prio)
+        for prompt, max_tokens, prio, lora in itertools.product(m.prompts, m.max_tokens,
+                                                                m.priorities, m.loras):
+            yield cls(prompt, max_tokens, prio, lora=lora)
             if m.sessions:
-                yield cls(prompt, max_tokens, prio, resumable=True)
+                yield cls(prompt, max_tokens, prio, resumable=True, lora=lora)
 
 
 @dataclass(frozen=True, slots=True)

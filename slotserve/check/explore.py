@@ -55,6 +55,7 @@ class ExploreConfig:
     session_timeout_s: float = 10.0
     idle_slot_grace_s: float = 2.0
     max_idle_sessions: int | None = None
+    max_loras: int = 0  # adapter slots (Menu.loras names the adapters requests use)
     depth: int = 8
     drain_steps: int = 40
     menu: Menu = field(default_factory=Menu)
@@ -76,7 +77,7 @@ class ExploreConfig:
                             streaming_session_timeout_s=self.session_timeout_s,
                             idle_slot_grace_s=self.idle_slot_grace_s,
                             max_idle_sessions=self.max_idle_sessions,
-                            speculative_config=spec),
+                            speculative_config=spec, max_loras=self.max_loras),
             CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                         enable_prefix_caching=self.enable_prefix_caching))
 

@@ -28,6 +28,7 @@ from slotserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from slotserve.core.request import Request, RequestStatus
 from slotserve.core.scheduler import Scheduler
 from slotserve.core.structured_output import StructuredOutputRequest
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 from slotserve.spec_decode.config import SpeculativeConfig
 
@@ -59,7 +60,8 @@ class TraceRecorder:
                      "params": _params_dict(r.sampling_params), "eos": r.eos_token_id,
                      "priority": r.priority, "arrival_time": r.arrival_time,
                      "resumable": r.resumable, "cache_salt": r.cache_salt,
-                     "grammar": r.use_structured_output})
+                     "grammar": r.use_structured_output,
+                     "lora": dataclasses.astuple(r.lora_request) if r.lora_request else None})
 
     def finish_requests(self, ids: list[str], status: RequestStatus) -> None:
         self._write({"event": "finish", "ids": list(ids), "status": status.name})
@@ -141,7 +143,8 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
                 e["id"], e["prompt"], SamplingParams(**params), eos_token_id=e["eos"],
                 priority=e["priority"], arrival_time=e["arrival_time"],
                 resumable=e["resumable"], cache_salt=e["cache_salt"],
-                structured_output_request=sor))
+                structured_output_request=sor,
+                lora_request=LoRARequest(*e["lora"]) if e.get("lora") else None))
         elif kind == "finish":
             observer.finish_requests(e["ids"], RequestStatus[e["status"]])
         elif kind == "reset":

@@ -25,6 +25,16 @@ def hash_block_tokens(parent: bytes, tokens: list[int], extra: bytes | None = No
     return h.digest()
 
 
+def first_block_extra(request: Request) -> bytes | None:
+    """What keys a request's first block (and so, chained, all of them) besides its tokens:
+    its cache salt, and its adapter, as vLLM folds the LoRA id into the hash (K/V computed
+    under one adapter never serves another)."""
+    extra = request.cache_salt.encode() if request.cache_salt else b""
+    if request.lora_request is not None:
+        extra += b"\x00lora\x00%d" % request.lora_request.lora_int_id
+    return extra or None
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -60,7 +70,7 @@ class KVCacheManager:
             tokens = request.all_token_ids
             for i in range(len(hashes), n_full):
                 parent = hashes[i - 1] if i else NONE_HASH
-                salt = request.cache_salt.encode() if (i == 0 and request.cache_salt) else None
+                salt = first_block_extra(request) if i == 0 else None
                 hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], salt))
         return hashes
 

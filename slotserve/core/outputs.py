@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,8 @@ class NewRequestData:
     num_output_tokens: int = 0
     # None when the request ignores EOS; the sampler masks it below min_tokens.
     eos_token_id: int | None = None
+    # The worker's adapter slot its tokens use (SchedulerOutput.lora_loads); -1: the base.
+    lora_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -55,6 +58,9 @@ class SchedulerOutput:
     # Speculative decoding: per request, the draft tokens scheduled after its last token
     # (counted in num_scheduled_tokens); the worker verifies them in this step's pass.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Adapter slot -> the adapter the worker loads there before this step (core/lora_slots.py:
+    # only slots no request uses change).
+    lora_loads: dict[int, LoRARequest] = field(default_factory=dict)
 
     @property
     def released_req_ids(self) -> set[str]:

@@ -8,6 +8,7 @@ import time
 
 from slotserve.core.structured_output import StructuredOutputRequest
 from slotserve.errors import RequestValidationError
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 # The core trusts the requests the front validated (engine/processor.py); under
@@ -64,7 +65,7 @@ class Request:
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "num_preemptions", "block_hashes", "max_tokens", "structured_output_request",
-        "chunk", "__weakref__",
+        "chunk", "lora_request", "__weakref__",
     )
 
     def __init__(
@@ -80,6 +81,7 @@ class Request:
         cache_salt: str | None = None,
         structured_output_request: StructuredOutputRequest | None = None,
         chunk: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -107,6 +109,8 @@ class Request:
         # The session chunk it is, as the front numbered it (0 for any other request); the
         # fold sets it to each next chunk's, and every output echoes it.
         self.chunk = chunk
+        # Its adapter (None: the base model); the prefix cache keys its blocks by it.
+        self.lora_request = lora_request
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.block_pool import KVCacheBlock
 from slotserve.core.kv_cache_manager import KVCacheManager
+from slotserve.core.lora_slots import LoRASlotLedger
 from slotserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -52,6 +53,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         self.slot_ledger = SlotLedger(scheduler_config.max_num_seqs)
+        self.lora_slots = LoRASlotLedger(scheduler_config.max_loras)
         # Outputs of requests that ended outside update_from_output (refused, timed out, ...),
         # returned by the next update_from_output.
         self.pending_outputs: list[EngineCoreOutput] = []
@@ -125,6 +127,7 @@ class Scheduler:
             self.kv_cache_manager.uncache_blocks(request)
         self.kv_cache_manager.free(request)
         self.slot_ledger.release(req_id)
+        self.lora_slots.release(req_id)
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
         self.sessions.forget(req_id)
@@ -180,6 +183,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.slot_ledger.release(request.request_id)
+        self.lora_slots.release(request.request_id)
         self.preempted_req_ids.add(request.request_id)
 
     def _reclaim_idle_slot(self, session: Request) -> None:
@@ -316,6 +320,9 @@ class Scheduler:
         # Within one pass nothing turns "no idle session may give up its slot" into a victim
         # (`now` is fixed, slots free up only through a reclaim): ask again only after one.
         no_victim = not self.sessions.idle
+        # Once a request waits for an adapter slot, later ones may not take a slot or join a
+        # loaded adapter (its users must drain): base-model requests still go.
+        new_adapters = True
         while waiting and budget > 0:
             r = waiting.peek_request()
             holds_slot = ledger.holds(r.request_id)
@@ -333,6 +340,13 @@ class Scheduler:
                     # Pass over it: a later request that already holds a slot may still go.
                     passed_over.append(waiting.pop_request())
                     continue
+            if not self.lora_slots.can_acquire(r.request_id, r.lora_request, new_adapters):
+                # An idle session past its grace may give its adapter slot up (r asks again).
+                if not (new_adapters and self.lora_slots.reclaim_idle(
+                        self.sessions, self.now, self._reclaim_idle_slot)):
+                    new_adapters = False
+                    passed_over.append(waiting.pop_request())
+                continue
             if r.num_computed_tokens == 0:
                 hit_blocks, n_hit = kv.get_computed_blocks(r)
             else:
@@ -359,6 +373,7 @@ class Scheduler:
             if holds_slot:
                 waiting_holders -= 1
             ledger.claim(r.request_id)
+            self.lora_slots.acquire(r.request_id, r.lora_request)
             self.running.append(r)
             if r.num_cached_tokens < 0:
                 r.num_cached_tokens = n_hit
@@ -378,7 +393,8 @@ class Scheduler:
         new_data = [
             NewRequestData(r.request_id, list(r.prompt_token_ids), list(r.all_token_ids),
                            get_block_ids(r.request_id), r.num_computed_tokens, r.sampling_params,
-                           r.num_output_tokens, r.eos_token_id)
+                           r.num_output_tokens, r.eos_token_id,
+                           self.lora_slots.slot(r.request_id))
             for r in scheduled_new
         ]
         cached = CachedRequestData(
@@ -396,6 +412,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            lora_loads=self.lora_slots.take_loads(),
         )
         self.slot_ledger.commit([r.request_id for r in scheduled_new])
         self.finished_req_ids = set()

@@ -20,6 +20,7 @@ from slotserve.config import (
     check_mode,
 )
 from slotserve.errors import ConfigError, ModelLoadError
+from slotserve.lora.request import LoRAConfig, LoRARequest, parse_lora_modules
 from slotserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,14 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = _arg(
         None, 'speculative decoding without a draft model, vLLM\'s JSON: {"method": "ngram" '
         'or "suffix", "num_speculative_tokens": k, "prompt_lookup_min": n, ...} (default: off)')
+    # slotserve/lora: adapters batched on the base model.
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT folders) on the base model")
+    max_loras: int = _arg(1, "adapters in one step (the worker's adapter slots)")
+    max_lora_rank: int = _arg(16, "the largest adapter rank")
+    max_cpu_loras: int | None = _arg(None, "adapters kept read in host memory (default: "
+                                     "max_loras)")
+    lora_modules: list[str] | None = _arg(None, "adapters known at start: name=path ...")
+
     plugins: str | None = _arg(None, "comma-separated modules imported where the engine core "
                                "runs (vLLM's general plugins; they may add utilities)")
 
@@ -129,7 +138,21 @@ class EngineArgs:
         check_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
         if "speculative_config" in given:
             given["speculative_config"] = SpeculativeConfig.from_any(given["speculative_config"])
-        return cls(**given)
+        args = cls(**given)
+        args.lora_config()  # a ConfigError now, not when the engine starts
+        args.lora_requests()
+        return args
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ConfigError("lora_modules needs enable_lora")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """The adapters of --lora-modules, with ids 1, 2, ..."""
+        return parse_lora_modules(self.lora_modules)
 
     def model_path(self) -> str:
         path = os.path.expanduser(self.model)
@@ -180,6 +203,7 @@ class EngineArgs:
             max_idle_sessions=(max(1, self.max_num_seqs // 2) if self.max_idle_sessions is None
                                else self.max_idle_sessions),
             speculative_config=SpeculativeConfig.from_any(self.speculative_config),
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
         cache_config = CacheConfig(num_blocks=num_blocks, block_size=self.block_size,
                                    enable_prefix_caching=self.enable_prefix_caching,
@@ -188,4 +212,5 @@ class EngineArgs:
                             trace_path=self.trace_path,
                             kv_events_endpoint=self.kv_events_endpoint, dtype=self.dtype,
                             device=self.device, seed=self.seed,
-                            native_attention=self.native_attention)
+                            native_attention=self.native_attention,
+                            lora_config=self.lora_config())

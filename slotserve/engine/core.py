@@ -150,7 +150,8 @@ class EngineCore:
             rid, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, priority=request.priority,
             arrival_time=request.arrival_time, resumable=request.resumable,
-            structured_output_request=structured_output_request, chunk=request.chunk))
+            structured_output_request=structured_output_request, chunk=request.chunk,
+            lora_request=request.lora_request))
 
     def has_waiting_grammars(self) -> bool:
         return bool(self.scheduler.waiting_for_grammar)

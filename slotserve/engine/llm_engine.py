@@ -21,6 +21,7 @@ from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, Engi
 from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import RequestValidationError
+from slotserve.lora.request import LoRARequest
 from slotserve.model_config import ModelConfig
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -58,6 +59,11 @@ class LLMEngine:
             eos_token_ids(model_config, tokenizer),
             priority_policy=self.config.scheduler_config.policy == "priority")
         self.output_processor = OutputProcessor(backend_tokenizer(tokenizer))
+        if self.config.lora_config is not None:
+            from slotserve.lora.adapters import AdapterChecker
+
+            self.processor.lora_checker = AdapterChecker(
+                model_config, self.config.lora_config.max_lora_rank)
         # The last failure inside the model's forward pass (its requests ended "error").
         self.last_error: BaseException | None = None
 
@@ -97,6 +103,7 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
         priority: int = 0, resumable: bool = False, arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and tokenize without submitting (raises RequestValidationError)."""
         existing = self.output_processor.groups.get(request_id)
@@ -115,7 +122,8 @@ class LLMEngine:
             check_session_chunk(existing.structured_outputs, params)
         return self.processor.process(
             request_id, prompt, params, priority=priority, resumable=resumable,
-            arrival_time=arrival_time, output_kind=output_kind, continuation_of=later_chunk)
+            arrival_time=arrival_time, output_kind=output_kind, continuation_of=later_chunk,
+            lora_request=lora_request)
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Submit a processed request, or a session's next chunk (numbered here)."""
@@ -135,6 +143,7 @@ class LLMEngine:
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
         priority: int = 0, resumable: bool = False, arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         session = self.output_processor.get_session(request_id)
         if session is not None and not resumable:
@@ -145,7 +154,7 @@ class LLMEngine:
             return
         self.add_processed_request(self.process_request(
             request_id, prompt, params, priority=priority, resumable=resumable,
-            arrival_time=arrival_time, output_kind=output_kind))
+            arrival_time=arrival_time, output_kind=output_kind, lora_request=lora_request))
 
     def _end_session(self, request_id: str, priority: int) -> None:
         # A non-resumable request with a session's id only marks its end; its prompt is

@@ -15,6 +15,7 @@ from typing import Any
 
 from slotserve.core.outputs import EngineCoreOutput
 from slotserve.core.sched_utils import SchedulerStats
+from slotserve.lora.request import LoRARequest
 from slotserve.sampling_params import SamplingParams
 
 
@@ -54,6 +55,8 @@ class EngineCoreRequest:
     # Who sent it (the API's admission key: `user`, else the peer address): the core takes
     # grammar compiles round-robin over clients. None: an anonymous client (offline use).
     client: str | None = None
+    # Its adapter (checked by the front); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from slotserve.core.request import validate_token_ids
 from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.engine.messages import EngineCoreRequest
 from slotserve.errors import RequestValidationError
+from slotserve.lora.request import LoRAAdapterError, LoRARequest
 from slotserve.outputs import RequestOutputKind
 from slotserve.sampling_params import SamplingParams
 
@@ -134,6 +135,20 @@ class Processor:
         self._backend = backend_tokenizer(tokenizer)
         # Chat templates render in bounded child processes, started on first use.
         self.chat_renderer = ChatRenderer(tokenizer)
+        # Reads an adapter and checks it against the model (raises LoRAAdapterError); set by
+        # LLMEngine when LoRA is on.
+        self.lora_checker: Callable[[LoRARequest], None] | None = None
+
+    def check_lora(self, lora_request: object) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestValidationError("lora_request must be a LoRARequest", "lora_request")
+        if self.lora_checker is None:
+            raise RequestValidationError("LoRA adapters are not enabled (--enable-lora)",
+                                         "lora_request")
+        try:
+            self.lora_checker(lora_request)
+        except LoRAAdapterError as exc:
+            raise RequestValidationError(str(exc), "lora_request") from exc
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text. Text too long for the context is refused before it is
@@ -236,6 +251,7 @@ class Processor:
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         continuation_of: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate and build the core Requests.
 
@@ -281,6 +297,8 @@ class Processor:
                 f"min_tokens={params.min_tokens} does not fit: the prompt leaves {room} tokens "
                 f"of context (max_model_len {self.max_model_len})", "min_tokens")
 
+        if lora_request is not None:
+            self.check_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None and continuation_of is None:
             # Built and checked here, so a bad constraint never reaches the core; a session's
@@ -320,6 +338,7 @@ class Processor:
             eos = None if params.ignore_eos else self.eos_token_id
             requests.append(EngineCoreRequest(
                 child_id, token_ids, child_params, eos, arrival_time, priority, resumable,
-                continues_session=continuation_of is not None, grammar=grammar))
+                continues_session=continuation_of is not None, grammar=grammar,
+                lora_request=lora_request))
         return ProcessedRequest(request_id, text, token_ids, params, requests, output_kind,
                                 resumable)

@@ -30,6 +30,7 @@ from slotserve.engine.llm_engine import LLMEngine
 from slotserve.engine.messages import EngineStats
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import ConfigError, EngineDeadError, RequestValidationError
+from slotserve.lora.request import LoRARequest
 from slotserve.metrics import ServerMetrics
 from slotserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
@@ -198,14 +199,16 @@ class AsyncLLM:
         return str(self.tokenizer.decode(token_ids))
 
     def process_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                        request_id: str | None = None, *, priority: int = 0) -> ProcessedRequest:
+                        request_id: str | None = None, *, priority: int = 0,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Validate and tokenize a request (raises RequestValidationError, touches nothing;
         a request id already running is refused when it is submitted)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         return self.engine.process_request(request_id, prompt, sampling_params,
                                            priority=priority,
-                                           output_kind=RequestOutputKind.DELTA)
+                                           output_kind=RequestOutputKind.DELTA,
+                                           lora_request=lora_request)
 
     def _register(self, request_id: str | None, num_seqs: int = 1) -> _RequestStream:
         loop = asyncio.get_running_loop()

@@ -58,6 +58,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == [bool]:
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
                                help=help_text)
+        elif typing.get_origin(kind[0]) is list:
+            group.add_argument(*flags, dest=f.name, nargs="+", help=help_text)
         elif typing.get_origin(kind[0]) is Literal:
             group.add_argument(*flags, dest=f.name, choices=typing.get_args(kind[0]),
                                help=help_text)
@@ -84,6 +86,8 @@ def engine_flags(kwargs: dict[str, Any]) -> list[str]:
         flag = f"--{name.replace('_', '-')}"
         if isinstance(value, bool):
             flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags
@@ -240,6 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from slotserve.entrypoints.openai.api_server import build_app
     from slotserve.entrypoints.openai.limits import uvicorn_config
     from slotserve.errors import SlotServeError
+    from slotserve.lora.request import parse_lora_modules
 
     # Refused before anything starts: an empty key would silently turn authentication off.
     for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
@@ -270,7 +275,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = build_app(engine, served_model_names=[name], api_key=args.api_key, limits=limits,
                     enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,
-                    tool_call_parser=args.tool_call_parser, webui=not args.no_webui)
+                    tool_call_parser=args.tool_call_parser, webui=not args.no_webui,
+                    lora_modules=parse_lora_modules(args.lora_modules))
     logger.info("serving %s (max_model_len %d, %d torch threads, engine core in a %s) on "
                 "http://%s:%d%s", name, engine.max_model_len, threads, args.engine_mode,
                 args.host, args.port, " with an API key" if args.api_key else "")

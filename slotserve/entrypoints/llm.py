@@ -17,6 +17,7 @@ from slotserve.engine.processor import (
     apply_chat_template,
 )
 from slotserve.errors import EngineDeadError, RequestValidationError
+from slotserve.lora.request import LoRARequest
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams
 
@@ -56,8 +57,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns the finished outputs in input order.
+        `lora_request`: one adapter for every prompt, or one (or None: the base) per prompt.
 
         A prompt is a string or {"prompt_token_ids": [...]}. Every prompt is validated before
         any is submitted, so a RequestValidationError leaves the engine untouched.
@@ -66,7 +69,7 @@ class LLM:
             prompt_list: list[PromptType] = [prompts]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
-        return self._generate(prompt_list, sampling_params, use_tqdm)
+        return self._generate(prompt_list, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -99,7 +102,9 @@ class LLM:
 
     def _generate(self, prompts: list[PromptType],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                  use_tqdm: bool) -> list[RequestOutput]:
+                  use_tqdm: bool,
+                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                  ) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -108,13 +113,21 @@ class LLM:
                 raise RequestValidationError(
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts",
                     "sampling_params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise RequestValidationError(
+                    f"got {len(loras)} lora_requests for {len(prompts)} prompts", "lora_request")
         engine = self.llm_engine
         processed: list[ProcessedRequest] = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+        for i, (prompt, params, lora) in enumerate(zip(prompts, params_list, loras,
+                                                       strict=True)):
             try:
                 processed.append(engine.process_request(
                     str(next(self._counter)), prompt, params,
-                    output_kind=RequestOutputKind.FINAL_ONLY))
+                    output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora))
             except RequestValidationError as exc:
                 if len(prompts) == 1:
                     raise

@@ -24,6 +24,8 @@ from slotserve.core.outputs import (
     SchedulerOutput,
 )
 from slotserve.errors import InvariantViolation
+from slotserve.lora.layers import LoRASlots
+from slotserve.lora.request import LoRAConfig
 from slotserve.memory import keep_freed_memory, resident_bytes
 from slotserve.model_config import ModelConfig
 from slotserve.models.attention import AttentionMetadataMap, BatchLayout
@@ -81,6 +83,7 @@ class ModelRunner:
         seed: int | None = None,
         native_attention: bool = True,
         quantization: str = "auto",
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """Built from the engine's EngineConfig (`ModelRunner(model, config)`), or from its
         parts. `native_attention=False` keeps decode attention on the torch path even where
@@ -89,6 +92,7 @@ class ModelRunner:
         if isinstance(config, EngineConfig):
             cache_config, dtype, device = config.cache_config, config.dtype, config.device
             seed, native_attention = config.seed, config.native_attention
+            lora_config = config.lora_config
             config = config.scheduler_config
         assert cache_config is not None, "a SchedulerConfig comes with its CacheConfig"
         scheduler_config = config
@@ -111,6 +115,9 @@ class ModelRunner:
         # The attention layer picks its kernels (native decode or torch) for this dtype/device.
         self.model.init_attention(native_attention)
         cfg = self.model_config
+        # The adapter slot table (slotserve/lora); None: LoRA off, the layers are not wrapped.
+        self.lora = (LoRASlots(self.model, cfg, lora_config, self.dtype, self.device)
+                     if lora_config is not None else None)
 
         # Decided before the runner is built (EngineCore.from_engine_args), as for the
         # scheduler: both are built from the same CacheConfig.
@@ -122,6 +129,7 @@ class ModelRunner:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.slots = RequestSlots(self.max_num_seqs)
         self.batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size)
+        self.lora_slot_of = np.full(self.max_num_seqs, -1, dtype=np.int64)  # by request slot
         self.sampler = Sampler(self.device, seed)
         self.vocab_size = cfg.vocab_size
         self.last_forward_s = 0.0
@@ -155,10 +163,14 @@ class ModelRunner:
         # Releases, stale same-id slots and claims, in the contract's order, with typed errors
         # (a slot table that disagrees with the scheduler fails the whole step).
         new_slots = self.slots.apply(so)
+        bad_loras = self._load_loras(so)
         # One request's bad state (a value its row cannot hold, a block table past its end)
         # fails that request only: it keeps its slot until the scheduler releases it.
         for new, slot in zip(so.scheduled_new_reqs, new_slots, strict=True):
             try:
+                self.lora_slot_of[slot] = new.lora_slot
+                if new.lora_slot in bad_loras:
+                    raise bad_loras[new.lora_slot]
                 self.batch.add_request(slot, new)
             except _CONTRACT_ERRORS:
                 raise
@@ -177,6 +189,19 @@ class ModelRunner:
                 raise
             except Exception as exc:  # noqa: BLE001 - isolated to this request
                 self._mark_failed(req_id, exc)
+
+    def _load_loras(self, so: SchedulerOutput) -> dict[int, Exception]:
+        """The output's adapter loads; a slot whose adapter fails to load fails the requests
+        that would use it."""
+        failed: dict[int, Exception] = {}
+        if so.lora_loads and self.lora is None:
+            raise InvariantViolation("adapter loads sent to a worker without LoRA")
+        for slot, lora in so.lora_loads.items():
+            try:
+                self.lora.load(slot, lora)  # type: ignore[union-attr]  # checked above
+            except Exception as exc:  # noqa: BLE001 - isolated to its requests
+                failed[slot] = exc
+        return failed
 
     def _mark_failed(self, req_id: str, exc: BaseException) -> None:
         logger.error("request %s failed in the worker: %s: %s", req_id, type(exc).__name__, exc,
@@ -244,7 +269,9 @@ class ModelRunner:
         if drafts:
             decode |= q_lens == 1 + np.fromiter((len(drafts.get(r, ())) for r in ids),
                                                 dtype=np.int64, count=len(ids))
-        order = np.argsort(~decode, kind="stable")
+        # With LoRA, by adapter slot within each group (slotserve/lora/layers.py).
+        order = (np.argsort(~decode, kind="stable") if self.lora is None
+                 else np.lexsort((self.lora_slot_of[slots], ~decode)))
         slots, q_lens = slots[order], q_lens[order]
         req_ids = [ids[i] for i in order]
         num_decodes = int(decode.sum())
@@ -278,6 +305,8 @@ class ModelRunner:
         logits_idx = torch.from_numpy(logits_pos).to(self.device)
         sampling_meta = self._sampling_metadata(row_slots, offsets)
 
+        if self.lora is not None:
+            self.lora.set_tokens(np.repeat(self.lora_slot_of[slots], q_lens))
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))

@@ -56,10 +56,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 0, 3]),
         max_idle=st.sampled_from([None, None, 0, 1]),
         spec_k=st.sampled_from([0, 0, 3]),
+        max_loras=st.sampled_from([0, 1, 2]),
     )
     def setup(self, max_num_seqs: int, num_blocks: int, block_size: int, budget: int,
               policy: str, chunked: bool, caching: bool, threshold: int,
-              max_idle: int | None, spec_k: int) -> None:
+              max_idle: int | None, spec_k: int, max_loras: int) -> None:
+        self.max_loras = max_loras
         max_model_len = 48
         if not chunked:
             budget = max(budget, max_model_len)
@@ -68,7 +70,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
             long_prefill_token_threshold=threshold, streaming_session_timeout_s=30.0,
-            idle_slot_grace_s=5.0, max_idle_sessions=max_idle,
+            idle_slot_grace_s=5.0, max_idle_sessions=max_idle, max_loras=max_loras,
             # Speculation (ngram over 1-2 token n-grams, forced on): answers accept 0..k.
             speculative_config=SpeculativeConfig(
                 num_speculative_tokens=spec_k, prompt_lookup_min=1, prompt_lookup_max=2,
@@ -93,12 +95,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from([None, 0, 1, 2]), tail=st.lists(st.integers(40, 60), max_size=12),
           priority=st.integers(0, 3), max_tokens=st.integers(1, 6),
           resumable=st.booleans(), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
-          grammar=st.sampled_from([0, 0, 1, 3]))
+          grammar=st.sampled_from([0, 0, 1, 3]), lora=st.integers(0, 3))
     def add_request(self, prefix: int | None, tail: list[int], priority: int, max_tokens: int,
-                    resumable: bool, min_tokens: int, ignore_eos: bool, grammar: int) -> None:
+                    resumable: bool, min_tokens: int, ignore_eos: bool, grammar: int,
+                    lora: int) -> None:
         prompt = (PREFIXES[prefix] if prefix is not None else []) + tail
         self.h.apply(Arrive(tuple(prompt or [50]), max_tokens, priority, resumable,
-                            min_tokens, ignore_eos, grammar))
+                            min_tokens, ignore_eos, grammar, lora if self.max_loras else 0))
 
     @precondition(lambda self: bool(self.h.open_sessions))
     @rule(data=st.data(), chunk=st.lists(st.integers(40, 60), max_size=6),

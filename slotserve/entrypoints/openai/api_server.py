@@ -36,6 +36,11 @@ from slotserve.entrypoints.openai.errors import (
     install_exception_handlers,
 )
 from slotserve.entrypoints.openai.limits import ServerLimits
+from slotserve.entrypoints.openai.lora_models import (
+    LORA_ADMIN_PATHS,
+    LoRAModels,
+    add_lora_routes,
+)
 from slotserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,13 +61,14 @@ from slotserve.entrypoints.openai.webui.router import (
     webui_router,
 )
 from slotserve.errors import ConfigError
+from slotserve.lora.request import LoRARequest
 from slotserve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 # Off unless enabled (--enable-admin-endpoints); they need the admin key, not just any client's.
-ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+ADMIN_PATHS = frozenset({"/reset_prefix_cache"}) | LORA_ADMIN_PATHS
 # Bodies larger than this are parsed off the event loop.
 OFF_LOOP_BODY_BYTES = 256 * 1024
 
@@ -163,12 +169,14 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
               api_key: str | None = None, metrics: ServerMetrics | None = None,
               limits: ServerLimits | None = None, enable_admin: bool = False,
               admin_api_key: str | None = None, shutdown_engine: bool = True,
-              tool_call_parser: str | None = None, webui: bool = True) -> FastAPI:
+              tool_call_parser: str | None = None, webui: bool = True,
+              lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
     """The app. `api_key` and `admin_api_key` must not be empty strings (an empty key would
     read as no key: the caller refuses it); the admin endpoints need one of them.
     `tool_call_parser` names the tool-call format (hermes, llama3_json) when the chat
     template does not show one. `webui`: serve the web page at `/` (its files need no key;
-    the `/v1/engine/state` it polls is there either way)."""
+    the `/v1/engine/state` it polls is there either way). `lora_modules`: the adapters a
+    request's `model` may name (--lora-modules; the engine needs enable_lora)."""
     if api_key == "" or admin_api_key == "":
         raise ConfigError("an API key must not be empty")
     admin_key = admin_api_key or api_key
@@ -184,6 +192,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     completion = OpenAIServingCompletion(engine, names, admission)
     chat = OpenAIServingChat(engine, names, admission, tool_call_parser)
     sessions = OpenAIServingSessions(engine, names, admission)
+    loras = LoRAModels(engine, names, lora_modules)
+    for serving in (completion, chat, sessions):
+        serving.loras = loras
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -214,7 +225,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response(ModelList(data=[
-            ModelCard(id=n, root=n, max_model_len=engine.max_model_len) for n in names]))
+            *(ModelCard(id=n, root=n, max_model_len=engine.max_model_len) for n in names),
+            *(ModelCard(id=a.lora_name, root=a.lora_path, parent=names[0],
+                        max_model_len=engine.max_model_len) for a in loras.adapters.values())]))
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -264,6 +277,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     if enable_admin:
         assert admin_key is not None
         _add_admin_routes(app, engine, admin_key)
+        add_lora_routes(app, loras, lambda raw: key_matches(raw.scope, admin_key))
 
     @app.websocket("/v1/sessions")
     async def session(ws: WebSocket) -> None:

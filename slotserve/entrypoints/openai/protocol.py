@@ -286,6 +286,8 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "slotserve"
     root: str | None = None
+    # An adapter's base model (vLLM's field); None for the base.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

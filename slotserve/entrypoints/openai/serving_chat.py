@@ -164,7 +164,7 @@ class OpenAIServingChat(OpenAIServing):
                                          continue_final_message=req.continue_final_message,
                                          template_kwargs=req.chat_template_kwargs,
                                          tools=tools.template_tools if tools else None)
-                return self.prepare(prompt_ids, params, request_id, req.priority)
+                return self.prepare(prompt_ids, params, request_id, req.priority, model)
             except (RequestValidationError, APIError) as exc:
                 raise rename_param(_chat_param_names(req, from_exception(exc)),
                                    req.response_format) from exc

@@ -79,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
             try:
                 constrained = (params.clone(structured_outputs=constraint)
                                if constraint is not None else params)
-                return [self.prepare(p, constrained, f"{request_id}-{i}", req.priority)
+                return [self.prepare(p, constrained, f"{request_id}-{i}", req.priority, model)
                         for i, p in enumerate(prompts)]
             except (RequestValidationError, APIError) as exc:
                 raise rename_param(from_exception(exc), req.response_format) from exc

@@ -26,6 +26,7 @@ from slotserve.entrypoints.openai.errors import (
     engine_dead,
     from_exception,
 )
+from slotserve.entrypoints.openai.lora_models import LoRAModels
 from slotserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from slotserve.errors import EngineDeadError
 from slotserve.outputs import CompletionOutput, RequestOutput
@@ -74,22 +75,29 @@ class OpenAIServing:
         self.admission = admission
         engine.processor.clip_max_tokens = False  # the API refuses what it would clip
         self._token_text: dict[int, str] = {}
+        # The adapters a request's `model` may name (api_server sets it).
+        self.loras: LoRAModels | None = None
 
     def check_model(self, model: str | None) -> str:
         if model is None:
             return self.served_model_names[0]
+        if self.loras is not None and model in self.loras.adapters:
+            return model
         if model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
         return model
 
     def prepare(self, prompt: str | list[int] | dict[str, Any], params: SamplingParams,
-                request_id: str, priority: int) -> ProcessedRequest:
-        """Validate and tokenize one prompt; raises before anything reaches the engine."""
+                request_id: str, priority: int, model: str | None = None) -> ProcessedRequest:
+        """Validate and tokenize one prompt; raises before anything reaches the engine.
+        `model`: the request's, which may name an adapter."""
         if self.engine.errored:
             # New work gets 503 once the engine is dead (requests it was running got 500).
             raise engine_dead(503)
-        return self.engine.process_request(prompt, params, request_id, priority=priority)
+        lora = self.loras.resolve(model) if self.loras is not None else None
+        return self.engine.process_request(prompt, params, request_id, priority=priority,
+                                           lora_request=lora)
 
     # ----- admission ---------------------------------------------------------------------------
 
