@@ -119,14 +119,15 @@ class AttentionBackend:
 
     def build(self, layout: BatchLayout) -> AttentionMetadataMap:
         longest = int((layout.num_computed + layout.q_lens).max())
+        queries = decode_queries(layout)  # one (row, context) per decode query, for every build
         # The kernel applies a window itself, so every window shares one native block table.
-        native_decodes = self._native_decodes(layout) if self.native else None
+        native_decodes = self._native_decodes(layout, queries) if self.native else None
         built: dict[int | None, AttentionMetadata] = {}
         by_window: AttentionMetadataMap = {}
         for window in self.windows:
             applied = window if window is not None and window < longest else None
             if applied not in built:
-                built[applied] = self._build(layout, applied, native_decodes)
+                built[applied] = self._build(layout, applied, native_decodes, queries)
             by_window[window] = built[applied]
         metas = list(built.values())
         num_tokens = layout.slot_mapping.shape[0]
@@ -142,16 +143,16 @@ class AttentionBackend:
         if rows and (self._gather.shape[1] < rows or self._gather.shape[2] != block_elems):
             self._gather = self._gather.new_empty(2, max(rows, 2 * self._gather.shape[1]),
                                                   block_elems)
-        scratch = self._native_scratch(layout) if self.native and layout.num_decodes else None
+        scratch = (self._native_scratch(layout, queries[1]) if self.native and layout.num_decodes
+                   else None)
         for m in metas:
             m.out, m.scratch = out, scratch
             if rows:
                 m.k_buf, m.v_buf = self._gather[0], self._gather[1]
         return by_window
 
-    def _native_scratch(self, layout: BatchLayout) -> torch.Tensor:
+    def _native_scratch(self, layout: BatchLayout, ctx: np.ndarray) -> torch.Tensor:
         """Score rows for the kernel, one per thread: heads * the longest context decoded."""
-        _, ctx = decode_queries(layout)
         longest = int(ctx.max())
         per_thread = self.num_heads * math.ceil(longest / layout.block_size) * layout.block_size
         threads = max(1, min(torch.get_num_threads(), len(ctx)))
@@ -162,11 +163,12 @@ class AttentionBackend:
         return self._scratch
 
     @staticmethod
-    def _native_decodes(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def _native_decodes(layout: BatchLayout, queries: tuple[np.ndarray, np.ndarray]
+                        ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The decodes' block-table rows from block 0 and their context lengths (CPU)."""
         if not layout.num_decodes:
             return None
-        rows, ctx = decode_queries(layout)
+        rows, ctx = queries
         max_blocks = math.ceil(int(ctx.max()) / layout.block_size)
         table = np.ascontiguousarray(layout.block_table[rows, :max_blocks])
         return torch.from_numpy(table), torch.from_numpy(ctx), max_blocks
@@ -176,10 +178,10 @@ class AttentionBackend:
         return torch.from_numpy(mask).to(device=self.device, dtype=self.dtype)
 
     def _build(self, layout: BatchLayout, window: int | None,
-               native_decodes: tuple[torch.Tensor, torch.Tensor, int] | None
-               ) -> AttentionMetadata:
+               native_decodes: tuple[torch.Tensor, torch.Tensor, int] | None,
+               queries: tuple[np.ndarray, np.ndarray]) -> AttentionMetadata:
         bs, nd, dev = layout.block_size, layout.num_decodes, self.device
-        rows, ctx = decode_queries(layout)
+        rows, ctx = queries
         meta = AttentionMetadata(slot_mapping=layout.slot_mapping, window=window,
                                  num_decodes=len(ctx), native=native_decodes is not None)
         if native_decodes is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +31,10 @@ from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.kv_storage import resolve_kv_cache_dtype
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
-from slotserve.models.quantization import weight_memory
+from slotserve.worker.draft_rows import verify_drafts, write_drafts
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
+from slotserve.worker.memory_usage import MemoryUsage
 from slotserve.worker.sampler import (
     Sampler,
     SamplerOutput,
@@ -50,22 +50,6 @@ logger = logging.getLogger(__name__)
 # a whole instead of being isolated to a request.
 _CONTRACT_ERRORS = (InvariantViolation, AssertionError)
 _NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryUsage:
-    """What the runner holds: weights (quantized blocks included) and the KV cache, in bytes."""
-
-    weights_bytes: int
-    quantized_weights_bytes: int
-    kv_cache_bytes: int
-
-    @classmethod
-    def of(cls, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-           ) -> MemoryUsage:
-        quantized, dense = weight_memory(model)
-        kv = sum(t.numel() * t.element_size() for pair in kv_caches for t in pair)
-        return cls(quantized + dense, quantized, kv)
 
 
 def default_device() -> torch.device:
@@ -481,51 +465,6 @@ class ModelRunner:
             sampled_token_ids=sampled_lists,
             logprobs=logprobs,
         )
-
-
-def write_drafts(b: InputBatch, req_ids: list[str], slots: np.ndarray,
-                 drafts: dict[str, list[int]]) -> np.ndarray:
-    """Put each request's drafts after its tokens (the row's num_tokens stays: they are not
-    its tokens until verified); their counts, per request."""
-    n = np.zeros(len(req_ids), dtype=np.int64)
-    for i, rid in enumerate(req_ids):
-        d = drafts.get(rid)
-        if d:
-            slot, start = int(slots[i]), int(b.num_tokens[slots[i]])
-            if start + len(d) > b.max_model_len:
-                raise InvariantViolation(f"request {rid!r}: {len(d)} drafts after {start} "
-                                         f"tokens pass max_model_len={b.max_model_len}")
-            b.token_ids[slot, start:start + len(d)] = d
-            n[i] = len(d)
-    return n
-
-
-def verify_drafts(b: InputBatch, slots: np.ndarray, counts: np.ndarray,
-                  sampled: np.ndarray) -> np.ndarray:
-    """Keep, per request, the longest run of drafts that equal what was sampled at their
-    positions, plus the token sampled after them; append those to the row.
-
-    Each position is sampled from the target distribution as if the drafts before it were
-    the request's tokens (greedy: the argmax). For a one-hot proposal d this is exactly
-    rejection sampling: d is kept with probability p(d), and when it is not, the sampled
-    token is distributed as p with d removed and renormalised (the residual max(p - q, 0)).
-    """
-    kept = np.empty(len(slots), dtype=np.int64)
-    start = 0
-    for i, (slot, c) in enumerate(zip(slots.tolist(), counts.tolist(), strict=True)):
-        pos = int(b.num_tokens[slot])
-        drafts = b.token_ids[slot, pos:pos + c - 1]
-        rows = sampled[start:start + c]
-        a = 0
-        while a < c - 1 and rows[a] == drafts[a]:
-            a += 1
-        b.token_ids[slot, pos:pos + a + 1] = rows[:a + 1]
-        b.num_tokens[slot] = pos + a + 1
-        # Computed: the step's input token and the accepted drafts, not the one sampled last.
-        b.num_computed_tokens[slot] = pos + a
-        kept[i] = a + 1
-        start += c
-    return kept
 
 
 def _row_pairs(rows: np.ndarray, ids: list[np.ndarray], vocab_size: int
