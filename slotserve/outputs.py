@@ -62,6 +62,8 @@ class CompletionOutput:
     # compile, or not in time): finish_reason is "error" and finish_message says why.
     # AsyncLLM.generate and LLM.generate raise RequestValidationError for it instead.
     rejected: bool = False
+    # With `rejected`: a code naming why (e.g. "grammar_too_expensive"), for the error body.
+    error_code: str | None = None
 
 
 @dataclass(slots=True)

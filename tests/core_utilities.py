@@ -106,6 +106,14 @@ def engine_core(core: Any) -> Any:
     return core
 
 
+def set_mask_budget(core: Any, seconds: float | None) -> float | None:
+    """Set each client's mask-time budget per step; returns the one it replaces."""
+    manager = core.structured_output_manager
+    previous: float | None = manager.mask_budget_s
+    manager.mask_budget_s = seconds
+    return previous
+
+
 def hold(core: Any, seconds: float) -> None:
     """Keep the core busy inside a utility call."""
     time.sleep(seconds)
@@ -113,5 +121,5 @@ def hold(core: Any, seconds: float) -> None:
 
 for _utility in (install_fault, remove_fault, break_scheduler, install_request_fault,
                  remove_request_fault, count_added_requests, stop_counting_requests,
-                 counted_requests, core_state, engine_core, hold):
+                 counted_requests, core_state, engine_core, set_mask_budget, hold):
     setattr(EngineCore, _utility.__name__, _utility)

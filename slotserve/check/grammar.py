@@ -33,6 +33,10 @@ class _CheckGrammar:
         return self.failure
 
     @property
+    def refusal(self) -> str | None:
+        return None
+
+    @property
     def consumed_token_ids(self) -> list[int]:
         return self.consumed
 

@@ -142,3 +142,5 @@ class EngineCoreOutput:
     chunk: int = 0
     chunk_done: bool = False
     session_end: FinishReason | None = None
+    # With `rejected`: a code naming why (e.g. "grammar_too_expensive"), for the error body.
+    error_code: str | None = None

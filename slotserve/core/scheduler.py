@@ -459,15 +459,18 @@ class Scheduler:
             stopped = False
             n_new = 0
             sor = r.structured_output_request
-            message = None
+            message = refusal = None
             for t in generated:
                 r.append_output_token_ids(t)
                 n_new += 1
                 if sor is not None and not sor.grammar.accept_tokens([t]):
                     # The bitmask allowed only what the grammar accepts, so this is the
-                    # grammar library failing (a resource limit): the output would break.
+                    # grammar library failing (a resource limit): the output would break;
+                    # or the engine refused the grammar (its masks' cost): the client's fault.
                     r.status = RequestStatus.FINISHED_ERROR
-                    message = f"structured output failed: {sor.grammar.error}"
+                    refusal = sor.grammar.refusal
+                    message = (sor.grammar.error if refusal is not None
+                               else f"structured output failed: {sor.grammar.error}")
                     stopped = True
                     break
                 if check_stop(r, max_model_len):
@@ -500,8 +503,9 @@ class Scheduler:
                            if message is None else FinishReason.ERROR)
             outputs.append(EngineCoreOutput(req_id, new_tokens, finish_reason, stop_reason, lp,
                                             r.num_cached_tokens, finished, message,
-                                            chunk=chunk, chunk_done=r.resumable,
-                                            session_end=session_end))
+                                            refusal is not None, chunk=chunk,
+                                            chunk_done=r.resumable, session_end=session_end,
+                                            error_code=refusal))
         return outputs
 
     def _fail_requests(self, failed: dict[str, str]) -> None:

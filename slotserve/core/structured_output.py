@@ -42,6 +42,13 @@ class StructuredOutputGrammar(Protocol):
         ...
 
     @property
+    def refusal(self) -> str | None:
+        """A code (e.g. "grammar_too_expensive") when the engine refused to follow the grammar
+        any further (its `error` says why): the client's request is at fault, not the model
+        step, so its request ends rejected. None when the grammar failed otherwise."""
+        ...
+
+    @property
     def consumed_token_ids(self) -> list[int]:
         """Every token accepted and not rolled back, in order (the checker compares it with
         the request's outputs)."""

@@ -41,6 +41,7 @@ class SeqState:
     finish_message: str | None = None
     # The core refused the request (or this chunk) as invalid (CompletionOutput.rejected).
     rejected: bool = False
+    error_code: str | None = None
     finished: bool = False
     # A session's: why it ended (the core's session_end), once it has.
     session_end: FinishReason | None = None
@@ -58,7 +59,8 @@ class SeqState:
         logprobs = None if self.logprobs is None else self.logprobs[sent_tokens:]
         out = CompletionOutput(self.index, text[sent_text:], self.token_ids[sent_tokens:],
                                self.cumulative_logprob, logprobs, self.finish_reason,
-                               self.stop_reason, self.finish_message, self.rejected)
+                               self.stop_reason, self.finish_message, self.rejected,
+                               self.error_code)
         if kind is RequestOutputKind.DELTA:
             self.sent_tokens, self.sent_text = len(self.token_ids), len(text)
         return out
@@ -228,6 +230,7 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
                 seq.finish_message, seq.rejected = out.finish_message, out.rejected
+                seq.error_code = out.error_code
                 self._finish_seq(seq, now)
             if out.finished and group.resumable:
                 seq.session_end = out.session_end or FinishReason.ERROR
@@ -260,7 +263,7 @@ class OutputProcessor:
             group.request_id, None if last is None else last.prompt,
             [] if last is None else last.prompt_token_ids,
             [CompletionOutput(0, "", [], None, None, out.finish_reason, out.stop_reason,
-                              out.finish_message, out.rejected)],
+                              out.finish_message, out.rejected, out.error_code)],
             True, metrics=None if last is None else last.metrics, chunk=out.chunk,
             session_end=out.session_end)
 

@@ -32,12 +32,13 @@ def allocate_bitmask(rows: int, vocab_size: int) -> npt.NDArray[np.int32]:
 class GuidanceGrammar:
     """One request's matcher; it records what it consumed so the checker can compare."""
 
-    __slots__ = ("matcher", "_consumed", "_error")
+    __slots__ = ("matcher", "_consumed", "_error", "_refusal")
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
         self._consumed: list[int] = []
         self._error: str | None = None
+        self._refusal: str | None = None
 
     def accept_tokens(self, tokens: list[int]) -> bool:
         if self._error is not None:
@@ -55,10 +56,11 @@ class GuidanceGrammar:
             self._error = error_excerpt(self.matcher.get_error() or "rollback failed")
         del self._consumed[-num_tokens:]
 
-    def refuse(self, message: str) -> None:
-        """Fail this matcher: the next token it is given is refused with `message`."""
+    def refuse(self, message: str, code: str) -> None:
+        """Fail this matcher: the next token it is given is refused with `message`, and its
+        request ends rejected with `code` (StructuredOutputGrammar.refusal)."""
         if self._error is None:
-            self._error = message
+            self._error, self._refusal = message, code
 
     def is_terminated(self) -> bool:
         return self._error is None and self.matcher.is_stopped()
@@ -66,6 +68,10 @@ class GuidanceGrammar:
     @property
     def error(self) -> str | None:
         return self._error
+
+    @property
+    def refusal(self) -> str | None:
+        return self._refusal
 
     @property
     def consumed_token_ids(self) -> list[int]:

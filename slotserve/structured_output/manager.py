@@ -66,6 +66,8 @@ MAX_REMEMBERED_FAILURES = 256
 # mask for a 262k vocabulary takes 0.1-1 ms; an ambiguous Lark grammar's grows with every
 # token (n=64 of `s: s s | "a" | "b"` took 80 ms per step).
 DEFAULT_MASK_BUDGET_S = 0.01
+# The error code of a request refused for its masks' cost (a 400 for the client).
+GRAMMAR_TOO_EXPENSIVE = "grammar_too_expensive"
 
 
 @dataclass(slots=True)
@@ -315,7 +317,7 @@ class StructuredOutputManager:
                 f"{len(costs)} constrained sequences took {spent * 1e3:.1f} ms of one step "
                 f"(this one's {took * 1e3:.1f} ms), over the budget of {budget_s * 1e3:g} ms "
                 "per client and step (an ambiguous grammar, or too many constrained "
-                "sequences at once)")
+                "sequences at once)", GRAMMAR_TOO_EXPENSIVE)
             self.stats.num_mask_refused += 1
             _failure_log.warning("a constrained request refused: its client's %d masks took "
                                  "%.1f ms of a step", len(costs), spent * 1e3)
@@ -339,6 +341,7 @@ class CompilingGrammar(GuidanceGrammar):
         # The matcher is set once the compile is done: nothing advances it before.
         self._consumed: list[int] = []
         self._error: str | None = None
+        self._refusal: str | None = None
         self.text, self._manager = text, manager
         self.admitted, self.client = time.monotonic(), client
         self.mask_strikes = 0

@@ -192,3 +192,31 @@ def test_constraints_are_checked_apart_from_tokenization(served: Served) -> None
         finally:
             release.set()
         assert [f.result(timeout=60).status_code for f in held] == [200] * 3
+
+
+def test_session_constraints_are_checked_apart_from_tokenization(served: Served) -> None:
+    # As for HTTP: a session chunk's constraint waits for its client's turn on the
+    # grammar-check threads (held here), occupying no thread that tokenizes.
+    from websockets.sync.client import connect
+
+    from tests.entrypoints.test_sessions import recv, ws_url
+
+    release = threading.Event()
+    grammar_check_pool().submit(release.wait, 60, client="user:held")
+    with connect(ws_url(served.url), open_timeout=30) as ws, \
+            concurrent.futures.ThreadPoolExecutor(4) as pool:
+        try:
+            assert recv(ws)["type"] == "session.created"
+            ws.send(json.dumps({"type": "input", "prompt": "Speak:", "max_tokens": 3,
+                                "user": "held", "structured_outputs": {"regex": "[a-z]+"}}))
+            plain = [pool.submit(post, served, {}) for _ in range(4)]
+            assert [f.result(timeout=60).status_code for f in plain] == [200] * 4
+            with pytest.raises(TimeoutError):
+                ws.recv(timeout=0.5)  # the chunk still waits for the grammar check
+        finally:
+            release.set()
+        while (msg := recv(ws))["type"] == "delta":
+            pass
+        assert msg["type"] == "chunk.done", msg
+        ws.send(json.dumps({"type": "end"}))
+        assert recv(ws)["type"] == "session.done"

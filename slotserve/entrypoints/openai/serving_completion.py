@@ -29,13 +29,12 @@ from slotserve.entrypoints.openai.serving_engine import (
     sse,
 )
 from slotserve.entrypoints.openai.structured import (
-    on_grammar_thread,
+    check_constraint,
     rename_param,
     response_constraint,
 )
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutput
-from slotserve.structured_output.grammar import checked_grammar
 
 
 def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]
@@ -67,13 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint = response_constraint(req.response_format, req.structured_outputs)
         request_id = f"cmpl-{random_uuid()}"
         if constraint is not None:
-            def check() -> None:
-                try:
-                    checked_grammar(constraint)
-                except RequestValidationError as exc:
-                    raise rename_param(from_exception(exc), req.response_format) from exc
-
-            await on_grammar_thread(check, self.client_of(raw, req.user))
+            await check_constraint(constraint, req.response_format,
+                                   self.client_of(raw, req.user))
 
         def prepare_all() -> list[ProcessedRequest]:
             try:

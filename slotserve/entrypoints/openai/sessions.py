@@ -43,10 +43,14 @@ from slotserve.entrypoints.openai.admission import Ticket, client_key
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
-from slotserve.entrypoints.openai.structured import rename_param, response_constraint
+from slotserve.entrypoints.openai.structured import (
+    check_constraint,
+    rename_param,
+    response_constraint,
+)
 from slotserve.errors import RequestValidationError
 from slotserve.outputs import RequestOutputKind
-from slotserve.sampling_params import StructuredOutputsParams
+from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +175,7 @@ class OpenAIServingSessions(OpenAIServing):
                 if state.ended:
                     raise bad_request("the session has ended: no input is taken after 'end'",
                                       None, "session_ended")
-                parsed = await self.engine.run_off_loop(self._parse, text, state)
+                parsed = await self._parse(text, state)
                 queued = None if parsed is None else self._admit(state, *parsed)
                 if queued is not None and inputs.full():
                     # Refused rather than waited for: the reader keeps draining the socket,
@@ -213,8 +217,23 @@ class OpenAIServingSessions(OpenAIServing):
         # (No delayed refusal here, unlike HTTP: the reader must keep draining the socket.)
         return _Queued(chunk, self.admission.admit(state.client, 1, tokens))
 
-    def _parse(self, raw: str, state: _SessionState
-               ) -> tuple[StreamingInput, str | None] | None:
+    async def _parse(self, raw: str, state: _SessionState
+                     ) -> tuple[StreamingInput, str | None] | None:
+        """A message read (JSON and fields on the front's threads), its constraint checked on
+        the grammar-check threads in the client's turn (as for HTTP requests: a large schema
+        holds up no tokenization), then tokenized and processed on the front's threads."""
+        read = await self.engine.run_off_loop(self._read_chunk, raw)
+        if read is None:
+            return None
+        msg, params = read
+        if params.structured_outputs is not None:
+            await check_constraint(params.structured_outputs, msg.response_format,
+                                   client_key(msg.user, None)
+                                   if msg.user and not state.chunk_prompt_lens
+                                   else state.client)
+        return await self.engine.run_off_loop(self._process, msg, params, state)
+
+    def _read_chunk(self, raw: str) -> tuple[SessionChunk, SamplingParams] | None:
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -235,6 +254,10 @@ class OpenAIServingSessions(OpenAIServing):
         constraint = response_constraint(msg.response_format, msg.structured_outputs)
         if constraint is not None:
             params = params.clone(structured_outputs=constraint)
+        return msg, params
+
+    def _process(self, msg: SessionChunk, params: SamplingParams, state: _SessionState
+                 ) -> tuple[StreamingInput, str | None]:
         first = not state.chunk_prompt_lens
         # One rule for an empty prompt, as for /v1/completions: the first chunk may not be
         # empty (before tokenization: its BOS alone would look like a prompt).

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from slotserve.entrypoints.openai.errors import APIError, bad_request
+from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol_structured import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionToolsParam,
@@ -18,8 +18,10 @@ from slotserve.entrypoints.openai.protocol_structured import (
     ToolChoice,
 )
 from slotserve.entrypoints.openai.tool_calls import ToolCallFormat, ToolCallParser, check_tools
+from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 from slotserve.structured_output.budget import grammar_check_pool
+from slotserve.structured_output.grammar import checked_grammar
 
 T = TypeVar("T")
 
@@ -30,6 +32,19 @@ async def on_grammar_thread(fn: Callable[[], T], client: str) -> T:
     its own client's other constraints. The grammar text it builds (`checked_grammar`) is
     found again, not rebuilt, when the request is processed."""
     return await asyncio.wrap_future(grammar_check_pool().submit(fn, client=client))
+
+
+async def check_constraint(constraint: StructuredOutputsParams,
+                           response_format: ResponseFormat | None, client: str) -> None:
+    """Build and validate `constraint` on the grammar-check threads in `client`'s turn (a 400
+    named by the field the client sent when it is invalid)."""
+    def check() -> None:
+        try:
+            checked_grammar(constraint)
+        except RequestValidationError as exc:
+            raise rename_param(from_exception(exc), response_format) from exc
+
+    await on_grammar_thread(check, client)
 
 
 def response_constraint(response_format: ResponseFormat | None,

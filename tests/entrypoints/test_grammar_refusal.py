@@ -1,0 +1,78 @@
+"""A request refused for its grammar's mask cost (structured_output.manager's mask-time
+budget) reaches its client as a 400 naming the cause, code `grammar_too_expensive`: a JSON
+error body for a whole reply, an SSE error event for a stream; a concurrent request from
+another client is served in full, and nothing is left held (the checker is on). Through the
+real server and the official `openai` client, in both engine modes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.entrypoints.conftest import MODEL_NAME, Served
+
+GRAMMAR = {"structured_outputs": {"grammar": 'start: s\ns: s s | "a" | "b"'}}
+
+
+@pytest.fixture()
+def over_budget(any_mode: Served) -> Iterator[Served]:
+    """Every client's grammar rows are over a budget of a nanosecond."""
+    previous = any_mode.call_utility("set_mask_budget", 1e-9)
+    try:
+        yield any_mode
+    finally:
+        any_mode.call_utility("set_mask_budget", previous)
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def plain_reply(served: Served) -> openai.types.Completion:
+    return client(served).completions.create(
+        model=MODEL_NAME, prompt="To be", max_tokens=24, user="bystander",
+        extra_body={"ignore_eos": True})
+
+
+def assert_refused(body: object) -> None:
+    assert isinstance(body, dict), body
+    error = body.get("error", body)
+    assert error["code"] == "grammar_too_expensive", error
+    assert error["type"] == "invalid_request_error", error
+    assert error["param"] == "structured_outputs", error
+    assert "too costly" in error["message"] and "budget" in error["message"], error
+    assert "model step" not in error["message"], error
+
+
+def test_a_whole_reply_refused_for_its_masks_is_a_400(over_budget: Served) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bystander = pool.submit(plain_reply, over_budget)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(over_budget).completions.create(
+                model=MODEL_NAME, prompt="To be", max_tokens=16, n=3, user="hostile",
+                extra_body={"ignore_eos": True, **GRAMMAR})
+        other = bystander.result(120)
+    assert refused.value.status_code == 400
+    assert_refused(refused.value.body)
+    (choice,) = other.choices
+    assert choice.finish_reason == "length"
+    assert other.usage is not None and other.usage.completion_tokens == 24
+
+
+def test_a_stream_refused_for_its_masks_ends_with_an_error_event(over_budget: Served) -> None:
+    stream = client(over_budget).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+        stream=True, user="hostile", extra_body={"ignore_eos": True, **GRAMMAR})
+    text = ""
+    with pytest.raises(openai.APIError) as refused:
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+    assert_refused(refused.value.body)
+    assert set(text) <= {"a", "b"}  # what it sent before followed the grammar
+    # The server goes on: the next plain reply is served in full.
+    assert plain_reply(over_budget).choices[0].finish_reason == "length"
