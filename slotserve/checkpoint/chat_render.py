@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_OUTPUT_CHARS = 16 << 20
+# A fresh child's start (an interpreter importing transformers, the tokenizer built), apart
+# from the render's own bound.
+CHILD_START_S = 60.0
 # What a render may allocate beyond the child's footprint once it holds the tokenizer.
 DEFAULT_RENDER_BYTES = 1 << 30
 PROBE_CONVERSATION = [{"role": "system", "content": "You are helpful."},
@@ -204,10 +207,15 @@ class _Child:
     def call(self, request: Any, timeout_s: float) -> tuple[str, Any]:
         with self._lock:
             self.conn.send(request)
-            # The child's first call also loads the tokenizer: not part of the render's time.
-            if not self.conn.poll(timeout_s + (0 if self._warm else 60)):
+            if not self._warm:
+                # Loading the tokenizer (transformers' import) is not part of the render's
+                # time: the child says when it is ready, and the render's bound starts then.
+                if not self.conn.poll(CHILD_START_S):
+                    raise TimeoutError
+                self.conn.recv()  # ("ready", None)
+                self._warm = True
+            if not self.conn.poll(timeout_s):
                 raise TimeoutError
-            self._warm = True
             result: tuple[str, Any] = self.conn.recv()
             return result
 
@@ -265,6 +273,7 @@ def _main(fd: int, max_output_chars: int, render_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (size + render_bytes, size + render_bytes))
     except (OSError, ValueError):
         pass  # no /proc or no limit to set: the time bound still holds
+    conn.send(("ready", None))
     while True:
         try:
             conversation, kwargs = conn.recv()
