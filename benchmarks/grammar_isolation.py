@@ -14,7 +14,7 @@
    "b"`, repeated. Target: within 2x.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grammar_isolation.py [--seconds 20]
-        [--rounds 3] [--json out.json]
+        [--rounds 3] [--parts front,compiles,masks] [--json out.json]
 
 Medians over --rounds of each measure, and each round's ratio; say the load average.
 """
@@ -169,17 +169,24 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
     p.add_argument("--json", default=None)
+    p.add_argument("--parts", default="front,compiles,masks",
+                   help="which measures to run, comma-separated (front, compiles, masks)")
     p.set_defaults(max_num_seqs=80, threads=1)
     args = p.parse_args()
     args.url, args.api_key = None, None
+    parts = [s for s in args.parts.split(",") if s]
+    unknown = set(parts) - {"front", "compiles", "masks"}
+    if unknown:
+        p.error(f"unknown --parts: {', '.join(sorted(unknown))}")
     rounds: list[dict[str, dict[str, float]]] = []
     with serving(args) as url:
         async def one_round(i: int) -> dict[str, dict[str, float]]:
             async with httpx.AsyncClient(base_url=url, timeout=300) as http:
                 await plain_latencies(http, 3)  # warm-up
-                return {"front": await front(http, args.seconds),
-                        "compiles": await compiles(http, args.seconds, i),
-                        "masks": await masks(http, args.seconds)}
+                measures = {"front": lambda: front(http, args.seconds),
+                            "compiles": lambda: compiles(http, args.seconds, i),
+                            "masks": lambda: masks(http, args.seconds)}
+                return {part: await measures[part]() for part in parts}
 
         for i in range(args.rounds):
             rounds.append(asyncio.run(one_round(i)))

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.admission import AdmissionController, default_bounds
+from slotserve.entrypoints.openai.body import decode_large_body
 from slotserve.entrypoints.openai.errors import (
     APIError,
     ClientGone,
@@ -137,17 +138,17 @@ async def read_body(raw: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(parts)
 
 
-async def parse_body(raw: Request, model: type[M], limits: ServerLimits,
-                     engine: AsyncLLM) -> M:
-    """The body as `model`. A large one is validated on the front's worker threads: a 6 MB
-    list of 800,000 ints takes 60 ms to validate, which the event loop should not wait."""
+async def parse_body(raw: Request, model: type[M], limits: ServerLimits) -> M:
+    """The body as `model`. A large one is decoded on a thread of its own (openai.body): a
+    6 MB list of 800,000 ints takes 60 ms to validate, which the event loop should not wait,
+    nor the threads that tokenize."""
     body = await read_body(raw, limits.max_body_bytes, limits.timeout_request_read_s)
     if not body.strip():
         raise bad_request("the request body is empty; a JSON object is expected", None,
                           "invalid_json")
     try:
         if len(body) > OFF_LOOP_BODY_BYTES:
-            return await engine.run_off_loop(model.model_validate_json, body)
+            return await decode_large_body(model, body)
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_pydantic_errors(exc.errors()) from exc
@@ -231,17 +232,17 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        req = await parse_body(raw, CompletionRequest, limits, engine)
+        req = await parse_body(raw, CompletionRequest, limits)
         return await completion.create_completion(req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        req = await parse_body(raw, ChatCompletionRequest, limits, engine)
+        req = await parse_body(raw, ChatCompletionRequest, limits)
         return await chat.create_chat_completion(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        req = await parse_body(raw, TokenizeRequest, limits, engine)
+        req = await parse_body(raw, TokenizeRequest, limits)
         completion.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -257,7 +258,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
-        req = await parse_body(raw, DetokenizeRequest, limits, engine)
+        req = await parse_body(raw, DetokenizeRequest, limits)
         completion.check_model(req.model)
         vocab = engine.processor.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
