@@ -29,9 +29,15 @@ def first_block_extra(request: Request) -> bytes | None:
     """What keys a request's first block (and so, chained, all of them) besides its tokens:
     its cache salt, and its adapter, as vLLM folds the LoRA id into the hash (K/V computed
     under one adapter never serves another)."""
-    extra = request.cache_salt.encode() if request.cache_salt else b""
-    if request.lora_request is not None:
-        extra += b"\x00lora\x00%d" % request.lora_request.lora_int_id
+    lora = request.lora_request
+    return block_extra(request.cache_salt, None if lora is None else lora.lora_int_id)
+
+
+def block_extra(cache_salt: str | None, lora_int_id: int | None) -> bytes | None:
+    """`first_block_extra` from its parts (the Ray router hashes requests it has not made)."""
+    extra = cache_salt.encode() if cache_salt else b""
+    if lora_int_id is not None:
+        extra += b"\x00lora\x00%d" % lora_int_id
     return extra or None
 
 

@@ -307,7 +307,8 @@ def _serve_on_ray(args: argparse.Namespace, limits: ServerLimits) -> int:
         engine_kwargs=kwargs, served_model_name=args.served_model_name or args.model
         or DEFAULT_MODEL_NAME, num_replicas=args.data_parallel_size, router=args.router,
         threads=args.threads, ray_address=args.ray_address, host=args.host, port=args.port,
-        api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser)
+        api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
+        enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key)
 
 
 def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

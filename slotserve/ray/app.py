@@ -72,19 +72,26 @@ def _deployment_name(name: str) -> str:
 
 def build_app(args: dict[str, Any] | None = None, *,
               models: Sequence[dict[str, Any] | ModelDeployment] = (),
-              api_key: str | None = None, limits: ServerLimits | None = None) -> Application:
-    """The application; `args` is the dict a Serve config file gives (keys as the keywords)."""
+              api_key: str | None = None, limits: ServerLimits | None = None,
+              enable_admin: bool = False, admin_api_key: str | None = None) -> Application:
+    """The application; `args` is the dict a Serve config file gives (keys as the keywords).
+    `enable_admin`: the admin endpoints of one process (reset the prefix cache, load and
+    unload LoRA adapters), on every replica, behind `admin_api_key` (else `api_key`)."""
     if args is not None:
         models = args.get("models", models)
         api_key = args.get("api_key", api_key)
+        enable_admin = args.get("enable_admin", enable_admin)
+        admin_api_key = args.get("admin_api_key", admin_api_key)
     specs = [m if isinstance(m, ModelDeployment) else ModelDeployment.from_dict(m)
              for m in models]
     if not specs:
         raise ConfigError("build_app needs at least one model")
     if len({s.name for s in specs}) != len(specs):
         raise ConfigError("model names must be unique")
-    if api_key == "":
+    if api_key == "" or admin_api_key == "":
         raise ConfigError("an API key must not be empty")
+    if enable_admin and not (admin_api_key or api_key):
+        raise ConfigError("admin endpoints need a key: give admin_api_key or api_key")
     handles = {}
     for spec in specs:
         router_options: dict[str, Any] = {
@@ -104,8 +111,10 @@ def build_app(args: dict[str, Any] | None = None, *,
         )(LLMServer)
         handles[spec.name] = deployment.bind(spec.engine_kwargs, spec.name,
                                              threads=spec.threads, limits=limits,
-                                             tool_call_parser=spec.tool_call_parser)
+                                             tool_call_parser=spec.tool_call_parser,
+                                             enable_admin=enable_admin,
+                                             admin_api_key=admin_api_key)
     ingress = serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0})(OpenAIIngress)
     return ingress.bind(handles, {s.name: s.model_path for s in specs}, api_key=api_key,
-                        limits=limits)
+                        limits=limits, admin_api_key=admin_api_key, enable_admin=enable_admin)

@@ -1,41 +1,47 @@
 """OpenAIIngress: the one HTTP endpoint in front of every model's replicas.
 
-It answers `/health`, `/version`, `/v1/models` (every model of the app) and `/metrics` (each
-replica's slotserve metrics with `model` and `replica` labels) itself, checks the API key,
-and forwards everything else to the deployment of the request's `model` (the first model when
-none is given) through a handle whose router (`router.py`) picks the replica. A completion's
-text prompt is tokenized here, once: the replica receives token ids, and the router the
-request's block hashes. A chat's messages are templated here for the hashes (the replica's own
-app templates them again). Whatever the ingress cannot read (bad JSON, a bad field) goes to a
-replica unchanged, so it gets exactly the 4xx one process gives.
+It answers `/health`, `/version`, `/v1/models` (every model of the app, with its LoRA
+adapters) and `/metrics` (each replica's slotserve metrics with `model` and `replica` labels)
+itself, checks the API key, and forwards everything else to the deployment of the request's
+`model` (a model of the app or one of its adapters; the first model when none is given)
+through a handle whose router (`router.py`) picks the replica. A prompt is turned into token
+ids here, once: a completion's text is tokenized and a chat's messages are rendered through
+the chat template, and the replica receives the ids (it renders nothing again); the router
+receives the request's block hashes, keyed by its adapter as the KV cache keys them.
+Whatever the ingress cannot read (bad JSON, a bad field) goes to a replica unchanged, so it
+gets exactly the 4xx one process gives. A WebSocket session (`/v1/sessions?model=NAME`) stays
+on one replica for its life; admin requests (`?model=NAME` picks the model) go to every
+replica of the model.
 """
-
 
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from starlette.types import Receive, Scope, Send
 
 from slotserve.engine.loading import load_tokenizer
 from slotserve.engine.processor import Processor
-from slotserve.entrypoints.openai.api_server import key_matches, read_body, slotserve_version
+from slotserve.entrypoints.openai.api_server import (
+    ADMIN_PATHS,
+    key_matches,
+    read_body,
+    slotserve_version,
+)
 from slotserve.entrypoints.openai.errors import APIError, install_exception_handlers
 from slotserve.entrypoints.openai.limits import ServerLimits
+from slotserve.entrypoints.openai.lora_models import LORA_ADMIN_PATHS
 from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, ModelCard, ModelList
-from slotserve.entrypoints.openai.serving_chat import render_chat
+from slotserve.entrypoints.openai.serving_chat import render_request
 from slotserve.entrypoints.openai.serving_engine import json_response
+from slotserve.ray.relay import REPLICA_GONE, Relay, fan_out, relay_session, render_metrics
 from slotserve.ray.server import REPLICA_HEADER, ReplicaUnavailable
-from slotserve.ray.state import avoid_replica, replica_reports
+from slotserve.ray.state import avoid_replica, live_replicas, replica_reports
 from slotserve.routing.policy import request_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -46,63 +52,22 @@ app = FastAPI(title="slotserve")
 install_exception_handlers(app)
 
 
-class _Relay(Response):
-    """Sends the replica's ASGI messages on as they come (SSE streams through)."""
-
-    def __init__(self, start: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> None:
-        self._start, self._rest = start, rest
-        self.status_code = start["status"]
-        self.background = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(self._start)
-        try:
-            async for message in self._rest:
-                await send(message)
-        except (RayActorError, ActorUnavailableError):
-            # The replica died mid-answer: what was sent stays sent; an SSE client gets an
-            # error event, then the stream ends.
-            error = APIError(500, "the replica serving this request died", code="replica_died")
-            await send({"type": "http.response.body", "more_body": False,
-                        "body": f"data: {json.dumps(error.body())}\n\n".encode()})
-            return
-        except asyncio.CancelledError:
-            raise
-
-
-def _render_metrics(reports: dict[str, dict[str, dict[str, Any]]]) -> bytes:
-    """Every replica's exposition merged into one, each sample labelled with its model and
-    replica (one HELP/TYPE per family)."""
-    families: dict[str, tuple[str, str, list[str]]] = {}
-    for model, replicas in sorted(reports.items()):
-        for replica_id, stats in sorted(replicas.items()):
-            for fam in text_string_to_metric_families(stats.get("metrics", "")):
-                entry = families.setdefault(fam.name, (fam.type, fam.documentation, []))
-                for s in fam.samples:
-                    labels = {**s.labels, "model": model, "replica": replica_id}
-                    text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                    entry[2].append(f"{s.name}{{{text}}} {s.value!r}")
-    lines = []
-    for name, (kind, doc, samples) in families.items():
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *samples]
-    return ("\n".join(lines) + "\n").encode()
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
-
-
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, models: dict[str, DeploymentHandle], model_paths: dict[str, str],
-                 api_key: str | None = None, limits: ServerLimits | None = None) -> None:
+                 api_key: str | None = None, limits: ServerLimits | None = None,
+                 admin_api_key: str | None = None, enable_admin: bool = False) -> None:
         self.models = models
         self.model_paths = model_paths
         self.default_model = next(iter(models))
         self.api_key = api_key
+        # The replicas check the admin key too; the ingress refuses a wrong one up front.
+        self.admin_key = (admin_api_key or api_key) if enable_admin else None
         self.limits = limits or ServerLimits()
         self.info: dict[str, dict[str, Any]] = {}
         self.processors: dict[str, Processor] = {}
+        # model -> its adapters: name -> (lora_int_id, path), as its replicas hold them.
+        self.adapters: dict[str, dict[str, tuple[int, str]]] = {}
         # What the ingress answers itself carries its own replica id.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
@@ -111,10 +76,35 @@ class OpenAIIngress:
         if model not in self.processors:
             info = await self.models[model].engine_info.remote()
             tokenizer = await asyncio.to_thread(load_tokenizer, self.model_paths[model])
+            self.adapters[model] = await self.models[model].adapters.remote()
             self.info[model] = info
             self.processors[model] = Processor(tokenizer, info["max_model_len"],
                                                info["vocab_size"], info["eos_token_ids"])
         return self.info[model], self.processors[model]
+
+    async def _resolve(self, name: str | None) -> tuple[str, int | None]:
+        """The model (deployment) a request's `model` names and its adapter's id."""
+        if name is None or name in self.models:
+            return name or self.default_model, None
+        for model in self.models:
+            await self._engine(model)
+            if name in self.adapters[model]:
+                return model, self.adapters[model][name][0]
+        raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found")
+
+    @app.websocket("/v1/sessions")
+    async def session(self, ws: WebSocket) -> None:
+        if self.api_key and not key_matches(ws.scope, self.api_key):
+            await ws.close(code=1008)
+            return
+        model = ws.query_params.get("model") or self.default_model
+        if model not in self.models:
+            await ws.close(code=1008, reason=f"no model {model!r}")
+            return
+        peer = ws.client
+        client = (peer.host, peer.port) if peer is not None else ("unknown", 0)
+        await relay_session(ws, self.models[model], self.limits.max_ws_message_bytes, client)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def route(self, path: str, raw: Request) -> Response:
@@ -122,54 +112,88 @@ class OpenAIIngress:
             response = await self._route("/" + path, raw)
         except APIError as exc:
             response = exc.response()
-        if not isinstance(response, _Relay):
+        if not isinstance(response, Relay) and REPLICA_HEADER not in response.headers:
             response.headers[REPLICA_HEADER] = self.replica_id
         return response
 
     async def _route(self, path: str, raw: Request) -> Response:
         if path == "/health":
             return Response(status_code=200)
-        if self.api_key and not key_matches(raw.scope, self.api_key):
+        admin = path in ADMIN_PATHS and self.admin_key is not None
+        if admin:
+            assert self.admin_key is not None
+            if not key_matches(raw.scope, self.admin_key):
+                return APIError(401, "administrative endpoints need the admin key (send "
+                                "Authorization: Bearer ADMIN_KEY).",
+                                code="invalid_api_key").response()
+        elif self.api_key and not key_matches(raw.scope, self.api_key):
             return APIError(401, "Incorrect or missing API key (send Authorization: Bearer "
                             "KEY).", code="invalid_api_key").response()
         if path == "/version":
             return JSONResponse({"version": slotserve_version()})
         if path == "/v1/models" and raw.method == "GET":
-            cards = []
-            for name in self.models:
-                info, _ = await self._engine(name)
-                cards.append(ModelCard(id=name, root=name, max_model_len=info["max_model_len"]))
-            return json_response(ModelList(data=cards))
+            return json_response(ModelList(data=await self._model_cards()))
         if path == "/metrics" and raw.method == "GET":
-            return Response(_render_metrics(replica_reports()), media_type=CONTENT_TYPE_LATEST)
+            return Response(render_metrics(replica_reports()), media_type=CONTENT_TYPE_LATEST)
         body = await read_body(raw, self.limits.max_body_bytes,
                                self.limits.timeout_request_read_s)
-        model, body, hashes = await self._prepare(path, body)
         headers = [(k, v) for k, v in raw.scope["headers"] if k != b"content-length"]
+        query = raw.scope.get("query_string", b"")
+        if admin:
+            return await self._admin(path, raw, query, headers, body)
+        model, body, hashes, prompt_ids = await self._prepare(path, body)
         headers.append((b"content-length", str(len(body)).encode()))
         peer = raw.client
         client = (peer.host, peer.port) if peer is not None else ("unknown", 0)
-        return await self._forward(model, hashes, raw.method, path,
-                                   raw.scope.get("query_string", b""), headers, body, client)
+        return await self._forward(model, hashes, raw.method, path, query, headers, body,
+                                   client, prompt_ids)
 
-    async def _prepare(self, path: str, body: bytes) -> tuple[str, bytes, list[bytes]]:
-        """The request's model, its body for the replica and its block hashes."""
+    async def _model_cards(self) -> list[ModelCard]:
+        cards = []
+        for name in self.models:
+            info, _ = await self._engine(name)
+            cards.append(ModelCard(id=name, root=name, max_model_len=info["max_model_len"]))
+            cards += [ModelCard(id=adapter, root=path, parent=name,
+                                max_model_len=info["max_model_len"])
+                      for adapter, (_, path) in self.adapters[name].items()]
+        return cards
+
+    async def _admin(self, path: str, raw: Request, query: bytes,
+                     headers: list[tuple[bytes, bytes]], body: bytes) -> Response:
+        """An admin request on every replica of the model `?model=` names (the first one by
+        default); after a LoRA change the ingress reads the model's adapters again."""
+        model = raw.query_params.get("model") or self.default_model
+        if model not in self.models:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+        await self._engine(model)
+        handle = self.models[model].options(stream=True)
+        headers = [*headers, (b"content-length", str(len(body)).encode())]
+
+        def call(replica: str) -> DeploymentResponseGenerator[dict[str, Any]]:
+            return cast(DeploymentResponseGenerator[dict[str, Any]], handle.handle_http.remote(
+                replica, raw.method, path, query, headers, body))
+
+        answer = await fan_out(live_replicas(model), call)
+        if path in LORA_ADMIN_PATHS:
+            self.adapters[model] = await self.models[model].adapters.remote()
+        return answer
+
+    async def _prepare(self, path: str, body: bytes
+                       ) -> tuple[str, bytes, list[bytes], list[int] | None]:
+        """The request's model, its body for the replica, its block hashes and (a chat) its
+        prompt ids as the chat template renders them."""
         try:
             doc = json.loads(body) if body.strip() else None
         except ValueError:
             doc = None
         if not isinstance(doc, dict):
-            return self.default_model, body, []
-        model = doc.get("model")
-        if model is None or not isinstance(model, str):
-            model = self.default_model
-        elif model not in self.models:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
+            return self.default_model, body, [], None
+        name = doc.get("model")
+        model, lora_id = await self._resolve(name if isinstance(name, str) else None)
         info, processor = await self._engine(model)
-        if not info["prefix_caching"]:
-            return model, body, []
         tokens: list[int] | None = None
+        rendered: list[int] | None = None
         try:
             prompt = doc.get("prompt")
             if path == "/v1/completions" and isinstance(prompt, str):
@@ -181,24 +205,23 @@ class OpenAIIngress:
                 tokens = prompt
             elif path == "/v1/chat/completions":
                 req = ChatCompletionRequest.model_validate(doc)
-                tokens = await asyncio.to_thread(
-                    render_chat, processor, req.messages,
-                    add_generation_prompt=req.add_generation_prompt)
+                tokens = rendered = await asyncio.to_thread(render_request, processor, req)
         except Exception:  # noqa: BLE001 - the replica answers it with its own 4xx
             logger.debug("ingress could not read the request; forwarded as it is")
-        hashes = request_block_hashes(tokens, info["block_size"]) if tokens else []
-        return model, body, hashes
+        hashes = (request_block_hashes(tokens, info["block_size"], lora_int_id=lora_id)
+                  if tokens and info["prefix_caching"] else [])
+        return model, body, hashes, rendered
 
     async def _forward(self, model: str, hashes: list[bytes], method: str, path: str,
                        query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-                       client: tuple[str, int]) -> Response:
+                       client: tuple[str, int], prompt_ids: list[int] | None) -> Response:
         handle = self.models[model].options(stream=True)
         for attempt in range(MAX_RETRIES + 1):
             stream = cast(DeploymentResponseGenerator[dict[str, Any]], handle.handle_http.remote(
-                hashes, method, path, query, headers, body, client))
+                hashes, method, path, query, headers, body, client, prompt_ids))
             try:
                 start = await stream.__anext__()
-            except (RayActorError, ActorUnavailableError, ReplicaUnavailable) as exc:
+            except (*REPLICA_GONE, ReplicaUnavailable) as exc:
                 # Nothing was produced yet: another replica may answer it.
                 if isinstance(exc, ReplicaUnavailable):
                     # Ray hands a replica's exception back wrapped, its original as `cause`.
@@ -206,6 +229,6 @@ class OpenAIIngress:
                 logger.warning("replica died before answering %s (attempt %d): %s", path,
                                attempt, exc)
                 continue
-            return _Relay(start, stream)
+            return Relay(start, stream)
         return APIError(503, "no replica could answer the request", code="replica_died"
                         ).response()

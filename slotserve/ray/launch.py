@@ -27,6 +27,7 @@ def serve_replicas(*, engine_kwargs: dict[str, Any], served_model_name: str,
                    num_replicas: int, router: RouterPolicy, threads: int | None,
                    ray_address: str | None, host: str, port: int, api_key: str | None,
                    limits: ServerLimits, tool_call_parser: str | None,
+                   enable_admin: bool = False, admin_api_key: str | None = None,
                    stop: threading.Event | None = None) -> int:
     import ray
     from ray import serve
@@ -49,7 +50,8 @@ def serve_replicas(*, engine_kwargs: dict[str, Any], served_model_name: str,
             "num_replicas": num_replicas, "router": router, "threads": per_replica,
             # On the local cluster the replicas share its cores evenly.
             "num_cpus": cores / num_replicas if local else float(per_replica),
-            "tool_call_parser": tool_call_parser}], api_key=api_key, limits=limits)
+            "tool_call_parser": tool_call_parser}], api_key=api_key, limits=limits,
+            enable_admin=enable_admin, admin_api_key=admin_api_key)
         serve.run(app, name="slotserve", route_prefix="/")
         logger.info("serving %s on %d replicas (%s router, %d torch threads each) on "
                     "http://%s:%d", served_model_name, num_replicas, router, per_replica,

@@ -22,15 +22,22 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from slotserve.ray.state import avoided, model_reports
+from slotserve.ray.state import avoided, model_reports, set_live_replicas
 from slotserve.routing.policy import PolicyConfig, RouterPolicy, RoutingPolicy
 
 
-def _hashes_of(pending: PendingRequest | None) -> list[bytes]:
+def _route_of(pending: PendingRequest | None) -> list[bytes] | str:
+    """The first argument of every LLMServer call: the request's block hashes, or the id of
+    the one replica it must go to (a session's messages, an admin request's fan-out)."""
     if pending is None or not pending.args:
         return []
     first = pending.args[0]
-    return first if isinstance(first, list) else []
+    return first if isinstance(first, (list, str)) else []
+
+
+def _hashes_of(pending: PendingRequest | None) -> list[bytes]:
+    route = _route_of(pending)
+    return route if isinstance(route, list) else []
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -42,6 +49,7 @@ class PrefixAwareRouter(RequestRouter):
         self._model = model
         self._inflight: dict[str, int] = {}
         self._seen_stats: dict[str, int] = {}
+        set_live_replicas(model, getattr(self, "_live", []))
 
     def _absorb_reports(self, replicas: list[RunningReplica]) -> None:
         now = time.monotonic()
@@ -60,13 +68,18 @@ class PrefixAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._live = [r.replica_id.unique_id for r in replicas]
         if hasattr(self, "_policy"):  # Ray may list replicas before initialize_state
+            set_live_replicas(self._model, self._live)
             self._absorb_reports(replicas)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pinned = _route_of(pending_request)
+        if isinstance(pinned, str):  # that replica or none (the ingress times out)
+            return [[by_id[pinned]]] if pinned in by_id else []
         avoid = avoided(self._model, time.monotonic())
         healthy = [rid for rid in by_id if rid not in avoid]
         if healthy:  # with none left, the request waits on one of them rather than fail here

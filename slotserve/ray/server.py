@@ -5,7 +5,10 @@ OpenAI app of `entrypoints/openai/api_server.py` in process, so a replica answer
 HTTP request exactly as `slotserve serve` would (same validation, same 4xx bodies, SSE,
 tools, structured outputs): the ingress forwards the request's method, path, headers and body
 (a completion's text prompt already as token ids) and streams back what the app sends, with
-the replica's id in `x-slotserve-replica`. Ray Serve calls `check_health` (a dead engine core
+the replica's id in `x-slotserve-replica`. A chat arrives with its prompt ids as the ingress
+rendered them (the app takes them from the ASGI scope instead of rendering again). A
+WebSocket session runs here for its whole life (`handle_ws` streams what the app sends,
+`ws_receive` takes what the client sends). Ray Serve calls `check_health` (a dead engine core
 makes the replica unhealthy, so Serve replaces it) and `record_routing_stats` (what this
 replica's prefix cache holds, its queue and its metrics, for the router and `/metrics`).
 """
@@ -19,9 +22,12 @@ from typing import Any
 
 from ray import serve
 
+from slotserve.engine.args import EngineArgs
 from slotserve.entrypoints.async_llm import AsyncLLM
 from slotserve.entrypoints.openai.api_server import build_app
 from slotserve.entrypoints.openai.limits import ServerLimits
+from slotserve.entrypoints.openai.lora_models import LoRAModels
+from slotserve.entrypoints.openai.serving_chat import PROMPT_IDS_SCOPE_KEY
 from slotserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -39,33 +45,19 @@ class ReplicaUnavailable(RuntimeError):
         self.replica_id = replica_id
 
 
-async def call_asgi(app: Any, method: str, path: str, query: bytes,
-                    headers: list[tuple[bytes, bytes]], body: bytes,
-                    client: tuple[str, int]) -> AsyncIterator[dict[str, Any]]:
-    """Drive the ASGI app in process and yield the messages it sends (start, body parts)."""
+async def drive_asgi(app: Any, scope: dict[str, Any], inbound: asyncio.Queue[dict[str, Any]],
+                     disconnect: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """Run the ASGI app in process on `scope`, its `receive` reading `inbound`, and yield
+    the messages it sends until its response (or socket) is closed. When the caller stops
+    listening the app receives `disconnect`."""
     sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-    delivered = False
-    gone = asyncio.Event()
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         await sent.put(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": query, "root_path": "", "headers": headers,
-             "client": client, "server": ("slotserve-replica", 0)}
-
     async def run() -> None:
         try:
-            await app(scope, receive, send)
+            await app(scope, inbound.get, send)
         finally:
             await sent.put(None)
 
@@ -73,13 +65,24 @@ async def call_asgi(app: Any, method: str, path: str, query: bytes,
     try:
         while (message := await sent.get()) is not None:
             yield message
-            if message["type"] == "http.response.body" and not message.get("more_body"):
+            if (message["type"] == "websocket.close" or message["type"] == "http.response.body"
+                    and not message.get("more_body")):
                 break
     finally:
-        gone.set()  # the ingress went away (or we are done): the app sees a disconnect
+        inbound.put_nowait(disconnect)  # the ingress went away (or we are done)
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def asgi_scope(kind: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+               client: tuple[str, int], **extra: Any) -> dict[str, Any]:
+    scope = {"type": kind, "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "scheme": "http" if kind == "http" else "ws", "path": path,
+             "raw_path": path.encode(), "query_string": query, "root_path": "",
+             "headers": headers, "client": client, "server": ("slotserve-replica", 0)}
+    scope.update(extra)
+    return scope
 
 
 class LLMServer:
@@ -87,14 +90,20 @@ class LLMServer:
 
     def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str,
                  threads: int | None = None, limits: ServerLimits | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, enable_admin: bool = False,
+                 admin_api_key: str | None = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLM.from_engine_args(engine_mode="process", threads=threads,
                                                 **engine_kwargs)
         self.app = build_app(self.engine, served_model_names=[served_model_name],
                              limits=limits, shutdown_engine=False,
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser,
+                             enable_admin=enable_admin, admin_api_key=admin_api_key,
+                             lora_modules=EngineArgs.from_kwargs(**engine_kwargs).lora_requests())
+        self.loras: LoRAModels = self.app.state.loras
         self.metrics = self.engine.metrics
+        # Open WebSocket sessions on this replica: connection id -> what the client sent.
+        self.sockets: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         cache = self.engine.engine.config.cache_config
         processor = self.engine.processor
         eos = [] if processor.eos_token_id is None else [processor.eos_token_id]
@@ -109,25 +118,67 @@ class LLMServer:
     def engine_info(self) -> dict[str, Any]:
         return self.info
 
+    def adapters(self) -> dict[str, tuple[int, str]]:
+        """The LoRA adapters a request's `model` may name: name -> (lora_int_id, path)."""
+        return {a.lora_name: (a.lora_int_id, a.lora_path) for a in self.loras.adapters.values()}
+
     def describe(self) -> dict[str, Any]:
         """Who this replica is and its engine core's process id (for operators and tests)."""
         return {"replica_id": self.replica_id,
                 "engine_pid": getattr(self.engine.engine.engine_core, "pid", None)}
 
-    async def handle_http(self, block_hashes: list[bytes], method: str, path: str,
+    async def handle_http(self, route: list[bytes] | str, method: str, path: str,
                           query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
-                          client: tuple[str, int] = ("ray-serve-ingress", 0)
+                          client: tuple[str, int] = ("ray-serve-ingress", 0),
+                          prompt_token_ids: list[int] | None = None
                           ) -> AsyncIterator[dict[str, Any]]:
-        """The app's ASGI messages for one request (`block_hashes` are the router's;
-        `client` is the caller's address, which admission control tells clients apart by)."""
+        """The app's ASGI messages for one request. `route` is the router's (the request's
+        block hashes, or the id of the replica it must go to); `client` is the caller's
+        address, which admission control tells clients apart by; `prompt_token_ids`, a
+        chat's messages as the ingress rendered them (this replica does not render again)."""
         if self.engine.errored:
             raise ReplicaUnavailable(self.replica_id)
-        async for message in call_asgi(self.app, method, path, query, headers, body, client):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (REPLICA_HEADER.encode(),
-                                                   self.replica_id.encode())]}
-            yield message
+        extra = {} if prompt_token_ids is None else {PROMPT_IDS_SCOPE_KEY: prompt_token_ids}
+        inbound: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        inbound.put_nowait({"type": "http.request", "body": body, "more_body": False})
+        scope = asgi_scope("http", path, query, headers, client, method=method, **extra)
+        async for message in drive_asgi(self.app, scope, inbound, {"type": "http.disconnect"}):
+            yield self._tagged(message)
+
+    def _tagged(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A response's start (an HTTP answer's, a WebSocket's accept) with this replica's id
+        in `x-slotserve-replica`."""
+        if message["type"] not in ("http.response.start", "websocket.accept"):
+            return message
+        return {**message, "headers": [*message.get("headers", ()),
+                                       (REPLICA_HEADER.encode(), self.replica_id.encode())]}
+
+    async def handle_ws(self, route: list[bytes], conn_id: str, path: str, query: bytes,
+                        headers: list[tuple[bytes, bytes]], client: tuple[str, int]
+                        ) -> AsyncIterator[dict[str, Any]]:
+        """One WebSocket session, for its whole life on this replica (its KV lives here):
+        first this replica's id (the ingress pins `ws_receive` calls to it), then what the
+        app sends; what the client sends arrives through `ws_receive`."""
+        if self.engine.errored:
+            raise ReplicaUnavailable(self.replica_id)
+        inbound: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        inbound.put_nowait({"type": "websocket.connect"})
+        self.sockets[conn_id] = inbound
+        try:
+            yield {"type": "slotserve.replica", "replica_id": self.replica_id}
+            scope = asgi_scope("websocket", path, query, headers, client, subprotocols=[])
+            async for message in drive_asgi(self.app, scope, inbound,
+                                            {"type": "websocket.disconnect", "code": 1001}):
+                yield self._tagged(message)
+        finally:
+            del self.sockets[conn_id]
+
+    def ws_receive(self, route: str, conn_id: str, message: dict[str, Any]) -> bool:
+        """A client's message for the session `conn_id` (False: it has ended here)."""
+        inbound = self.sockets.get(conn_id)
+        if inbound is not None:
+            inbound.put_nowait(message)
+        return inbound is not None
 
     async def check_health(self) -> None:
         if self.engine.errored:

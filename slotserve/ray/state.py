@@ -1,6 +1,6 @@
-"""What the routers and the ingress of one process share: the replicas' last reports (for
-`/metrics`) and the replicas to avoid. A module of its own because Ray pickles a custom
-router's module by value (`RequestRouterConfig`), so state kept there would be a copy."""
+"""What the routers and the ingress of one process share: the replicas there are, their last
+reports (for `/metrics`) and the replicas to avoid. A module of its own because Ray pickles a
+custom router's module by value (`RequestRouterConfig`), so state kept there would be a copy."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ _REPORTS: dict[str, dict[str, dict[str, Any]]] = {}
 # model -> replica id -> until when no request goes there (its engine died; Serve replaces it).
 _AVOID: dict[str, dict[str, float]] = {}
 AVOID_S = 60.0
+# model -> the ids of its running replicas, as its router last heard from Serve.
+_LIVE: dict[str, list[str]] = {}
 
 
 def replica_reports() -> dict[str, dict[str, dict[str, Any]]]:
@@ -28,3 +30,12 @@ def avoid_replica(model: str, replica_id: str) -> None:
 
 def avoided(model: str, now: float) -> set[str]:
     return {rid for rid, until in _AVOID.get(model, {}).items() if until > now}
+
+
+def set_live_replicas(model: str, replica_ids: list[str]) -> None:
+    _LIVE[model] = list(replica_ids)
+
+
+def live_replicas(model: str) -> list[str]:
+    """Every replica of `model` (an admin request goes to each of them)."""
+    return list(_LIVE.get(model, ()))

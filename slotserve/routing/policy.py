@@ -20,22 +20,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from slotserve.core.kv_cache_manager import NONE_HASH, hash_block_tokens
+from slotserve.core.kv_cache_manager import NONE_HASH, block_extra, hash_block_tokens
 
 RouterPolicy = Literal["prefix", "pow2", "round_robin"]
 ROUTER_POLICIES: tuple[RouterPolicy, ...] = ("prefix", "pow2", "round_robin")
 
 
 def request_block_hashes(token_ids: Sequence[int], block_size: int,
-                         cache_salt: str | None = None) -> list[bytes]:
+                         cache_salt: str | None = None,
+                         lora_int_id: int | None = None) -> list[bytes]:
     """The hashes of the full blocks of `token_ids`, chained exactly as
-    `KVCacheManager.update_block_hashes` chains them (the salt enters the first block)."""
+    `KVCacheManager.update_block_hashes` chains them (the salt and the adapter's id enter the
+    first block, so prefixes under different adapters never match)."""
     hashes: list[bytes] = []
     parent = NONE_HASH
+    first = block_extra(cache_salt, lora_int_id)
     for i in range(len(token_ids) // block_size):
-        salt = cache_salt.encode() if (i == 0 and cache_salt) else None
         parent = hash_block_tokens(parent, list(token_ids[i * block_size:(i + 1) * block_size]),
-                                   salt)
+                                   first if i == 0 else None)
         hashes.append(parent)
     return hashes
 

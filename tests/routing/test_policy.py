@@ -11,6 +11,7 @@ import pytest
 
 from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.request import Request
+from slotserve.lora.request import LoRARequest
 from slotserve.routing.policy import (
     PolicyConfig,
     PrefixIndex,
@@ -29,13 +30,20 @@ def tokens(seed: int, n: int = 64) -> list[int]:
 
 
 @pytest.mark.parametrize("salt", [None, "tenant-1"])
-def test_hashes_are_the_kv_caches_own(salt: str | None) -> None:
+@pytest.mark.parametrize("lora_id", [None, 3])
+def test_hashes_are_the_kv_caches_own(salt: str | None, lora_id: int | None) -> None:
     prompt = tokens(1, 70)
-    req = Request("r", prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+    lora = None if lora_id is None else LoRARequest("adapter", lora_id, "/unused")
+    req = Request("r", prompt, SamplingParams(max_tokens=1), cache_salt=salt,
+                  lora_request=lora)
     manager = KVCacheManager(block_size=16, num_blocks=32)
-    assert request_block_hashes(prompt, 16, salt) == manager.update_block_hashes(req, 70)
-    assert len(request_block_hashes(prompt, 16, salt)) == 4  # full blocks only
-    assert request_block_hashes(prompt, 16, "other") != request_block_hashes(prompt, 16, salt)
+    mine = request_block_hashes(prompt, 16, salt, lora_id)
+    assert mine == manager.update_block_hashes(req, 70)
+    assert len(mine) == 4  # full blocks only
+    assert request_block_hashes(prompt, 16, "other", lora_id) != mine
+    # Another adapter (or the base) never shares a block with this one.
+    assert request_block_hashes(prompt, 16, salt, 7)[0] != mine[0]
+    assert (request_block_hashes(prompt, 16, salt)[0] != mine[0]) == (lora_id is not None)
 
 
 def test_prefix_match_wins_over_an_idle_replica() -> None:

@@ -212,6 +212,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     app.state.metrics = metrics
     app.state.admission = admission
     app.state.limits = limits
+    app.state.loras = loras
 
     @app.get("/health")
     async def health() -> Response:

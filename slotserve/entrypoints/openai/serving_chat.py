@@ -98,6 +98,19 @@ def render_chat(processor: Processor, messages: list[ChatMessage], *,
     return list(prompt["prompt_token_ids"])
 
 
+# The prompt ids a caller in process already rendered from this request's messages (the Ray
+# ingress renders once; its replica's app must not again). Never set from the network.
+PROMPT_IDS_SCOPE_KEY = "slotserve.prompt_token_ids"
+
+
+def render_request(processor: Processor, req: ChatCompletionRequest) -> list[int]:
+    """A chat request's prompt ids: its messages, tools and template options rendered."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return render_chat(processor, req.messages, add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message,
+                       template_kwargs=req.chat_template_kwargs, tools=tools)
+
+
 def _chat_param_names(req: ChatCompletionRequest, err: APIError) -> APIError:
     """Name the field the chat client actually sent (the engine knows only its own names)."""
     if err.param == "logprobs":
@@ -159,11 +172,9 @@ class OpenAIServingChat(OpenAIServing):
                 params = req.to_sampling_params(req.requested_max_tokens())
                 if constraint is not None:
                     params = params.clone(structured_outputs=constraint)
-                prompt_ids = render_chat(self.engine.processor, req.messages,
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         continue_final_message=req.continue_final_message,
-                                         template_kwargs=req.chat_template_kwargs,
-                                         tools=tools.template_tools if tools else None)
+                prompt_ids = raw.scope.get(PROMPT_IDS_SCOPE_KEY)
+                if prompt_ids is None:
+                    prompt_ids = render_request(self.engine.processor, req)
                 return self.prepare(prompt_ids, params, request_id, req.priority, model)
             except (RequestValidationError, APIError) as exc:
                 raise rename_param(_chat_param_names(req, from_exception(exc)),
