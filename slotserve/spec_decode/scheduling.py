@@ -82,8 +82,6 @@ class SpecDecodeScheduler:
                 num_tokens: int) -> list[int]:
         """Drafts for running request r, which is scheduled one token (its last) this step
         with `budget` tokens left after it; num_reqs/num_tokens: the step's expected size."""
-        if r.structured_output_request is not None:
-            return []  # grammar-constrained requests do not speculate (docs/SPEC_DECODE.md)
         k = min(self.k, budget, max_model_len - r.num_computed_tokens - 1)
         if r.max_tokens is not None:
             k = min(k, r.max_tokens - r.num_output_tokens - 1)
@@ -93,6 +91,10 @@ class SpecDecodeScheduler:
         if st is None:
             st = self.states[r.request_id] = _RequestState(self._new_proposer())
         drafts = st.proposer.propose(r.all_token_ids, k)
+        sor = r.structured_output_request
+        if drafts and sor is not None:
+            # A draft the grammar refuses could never be kept: cut the drafts before it.
+            drafts = drafts[:sor.grammar.validate_tokens(drafts)]
         if not drafts:
             return []
         if self.config.adaptive:
