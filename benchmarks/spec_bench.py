@@ -221,7 +221,7 @@ def main() -> int:
                              "tokens_per_verified_step": (acc + d) / d if d else 1.0,
                              "same_tokens": all(x["outputs"] == ref for x in runs[name])}
             rows.append(row)
-            if args.llamacpp and c == 1 and temperature == 0.0:
+            if args.llamacpp and c == 1 and wname == "copying":
                 for st in ("none", "ngram-simple", "ngram-mod"):
                     row[f"llamacpp_{st}_tok_s"] = statistics.median(
                         run_llamacpp(args, c, prompts, st)["tok_s"] for _ in range(args.rounds))
