@@ -174,6 +174,7 @@ def main() -> int:
     p.add_argument("--k", type=int, default=7, help="num_speculative_tokens (the most the "
                    "policy may pick; 7: 8 verified rows, two of the int8 kernels' 4-row tiles)")
     p.add_argument("--methods", default="ngram,suffix")
+    p.add_argument("--workloads", default="copying,random,sampled")
     p.add_argument("--llamacpp", action="store_true",
                    help="add llama-server rows (none, ngram-simple, ngram-mod) at c=1 copying")
     p.add_argument("--json", type=Path, default=None)
@@ -197,7 +198,8 @@ def main() -> int:
             n, args.prompt_len, args.output_len, 0.0, vocab, c)]
         workloads = {"copying": ([copy[i % len(copy)] for i in range(n)], 0.0),
                      "random": (rand, 0.0), "sampled": (rand, 0.8)}
-        for wname, (prompts, temperature) in workloads.items():
+        for wname in args.workloads.split(","):
+            prompts, temperature = workloads[wname]
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in specs}
             for r in range(args.rounds):
                 names = list(specs) if r % 2 == 0 else list(specs)[::-1]
@@ -225,6 +227,7 @@ def main() -> int:
                 for st in ("none", "ngram-simple", "ngram-mod"):
                     row[f"llamacpp_{st}_tok_s"] = statistics.median(
                         run_llamacpp(args, c, prompts, st)["tok_s"] for _ in range(args.rounds))
+            print(json.dumps(row), flush=True)  # each row as soon as it is measured
     print(f"\nload average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; "
           f"{args.threads} thread(s); "
           f"k={args.k}; output {args.output_len} tokens; {time.strftime('%Y-%m-%d %H:%M')}")
