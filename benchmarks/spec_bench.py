@@ -3,11 +3,14 @@ one thread, in the same run; optionally llama.cpp's server with its own n-gram s
 
 Workloads: (a) copying: a ~200-token function to copy with one change, a passage to repeat,
 a list to continue; (b) no copying: the random prompts of vs_llamacpp.py
-(bench_serve.make_dataset). Each configuration runs `--rounds` times in a child process of
-its own (LLM.generate, greedy, ignore_eos), alternating the order; the medians are printed
-with same-run ratios, the acceptance rate and the tokens per verified step.
+(bench_serve.make_dataset), greedy; (c) the same random prompts sampled at temperature 0.8
+with a seed per request, where the model does not loop, so speculation should turn itself
+off at no cost. Each configuration runs `--rounds` times in a child process of its own
+(LLM.generate, ignore_eos), alternating the order; the medians are printed with same-run
+ratios, the acceptance rate and the tokens per verified step. Every run's tokens are
+compared with speculation off (seeded sampling repeats its tokens too).
 
-    .venv/bin/python benchmarks/spec_bench.py [--concurrency 1,8] [--rounds 3] [--llamacpp]
+    .venv/bin/python benchmarks/spec_bench.py [--concurrency 1,8,32] [--rounds 3] [--llamacpp]
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.sampling_params import SamplingParams
 llm = LLM(model=cfg["model"], max_num_seqs=cfg["c"], max_model_len=cfg["len"],
           num_blocks=cfg["blocks"], speculative_config=cfg["spec"])
-sp = SamplingParams(max_tokens=cfg["out"], temperature=0.0, ignore_eos=True)
+sp = [SamplingParams(max_tokens=cfg["out"], temperature=cfg["temperature"], seed=i,
+                     ignore_eos=True) for i in range(len(cfg["prompts"]))]
 prompts = [{"prompt_token_ids": p} for p in cfg["prompts"]]
 llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
 sched = llm.llm_engine.engine_core.engine_core.scheduler
@@ -96,11 +100,11 @@ def tokenize(model: str, texts: list[str]) -> list[list[int]]:
 
 
 def run_slotserve(args: argparse.Namespace, c: int, prompts: list[list[int]],
-                  spec: dict[str, Any] | None) -> dict[str, Any]:
+                  spec: dict[str, Any] | None, temperature: float) -> dict[str, Any]:
     per_seq = max(len(p) for p in prompts) + args.output_len + 16
     cfg = {"model": args.model, "c": c, "len": per_seq, "spec": spec, "out": args.output_len,
            "blocks": c * math.ceil(per_seq / 16) + 1, "prompts": prompts,
-           "threads": args.threads}
+           "threads": args.threads, "temperature": temperature}
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     res = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(cfg), text=True,
                          capture_output=True, env=env)
@@ -160,13 +164,17 @@ def proposer_cost(n_tokens: int = 2000, k: int = 4) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the Gemma package's)")
-    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--waves", type=int, default=2,
+                   help="requests per concurrency slot (c * waves prompts, at least 3)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128, help="random prompts' length")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=7, help="num_speculative_tokens (the most the "
+                   "policy may pick; 7: 8 verified rows, two of the int8 kernels' 4-row tiles)")
     p.add_argument("--methods", default="ngram,suffix")
+    p.add_argument("--workloads", default="copying,random,sampled")
     p.add_argument("--llamacpp", action="store_true",
                    help="add llama-server rows (none, ngram-simple, ngram-mod) at c=1 copying")
     p.add_argument("--json", type=Path, default=None)
@@ -181,19 +189,22 @@ def main() -> int:
     specs: dict[str, dict[str, Any] | None] = {"off": None}
     for m in args.methods.split(","):
         specs[m] = {"method": m, "num_speculative_tokens": args.k}
+    load = os.getloadavg()[0]
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
-        n = max(len(COPY_PROMPTS), c * 2)
+        n = max(len(COPY_PROMPTS), c * args.waves)
         vocab = 262144
-        workloads = {"copying": [copy[i % len(copy)] for i in range(n)],
-                     "random": [r.prompt_token_ids for r in bench_serve.make_dataset(
-                         n, args.prompt_len, args.output_len, 0.0, vocab, c)]}
-        for wname, prompts in workloads.items():
+        rand = [r.prompt_token_ids for r in bench_serve.make_dataset(
+            n, args.prompt_len, args.output_len, 0.0, vocab, c)]
+        workloads = {"copying": ([copy[i % len(copy)] for i in range(n)], 0.0),
+                     "random": (rand, 0.0), "sampled": (rand, 0.8)}
+        for wname in args.workloads.split(","):
+            prompts, temperature = workloads[wname]
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in specs}
             for r in range(args.rounds):
                 names = list(specs) if r % 2 == 0 else list(specs)[::-1]
                 for name in names:
-                    res = run_slotserve(args, c, prompts, specs[name])
+                    res = run_slotserve(args, c, prompts, specs[name], temperature)
                     runs[name].append(res)
                     print(f"c={c} {wname} round {r + 1} {name}: {res['tok_s']:.1f} tok/s",
                           flush=True)
@@ -210,13 +221,15 @@ def main() -> int:
                 row[name] = {"tok_s": med, "ratio": med / row["off_tok_s"],
                              "acceptance": acc / dt if dt else 0.0,
                              "tokens_per_verified_step": (acc + d) / d if d else 1.0,
-                             "same_greedy_tokens": all(x["outputs"] == ref for x in runs[name])}
+                             "same_tokens": all(x["outputs"] == ref for x in runs[name])}
             rows.append(row)
             if args.llamacpp and c == 1 and wname == "copying":
                 for st in ("none", "ngram-simple", "ngram-mod"):
                     row[f"llamacpp_{st}_tok_s"] = statistics.median(
                         run_llamacpp(args, c, prompts, st)["tok_s"] for _ in range(args.rounds))
-    print(f"\nload average {os.getloadavg()[0]:.2f}; {args.threads} thread(s); "
+            print(json.dumps(row), flush=True)  # each row as soon as it is measured
+    print(f"\nload average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; "
+          f"{args.threads} thread(s); "
           f"k={args.k}; output {args.output_len} tokens; {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"{'c':>3} {'workload':<8} {'off tok/s':>9} " + " ".join(
         f"{m + ' tok/s':>12} {'x off':>6} {'accept':>6} {'tok/step':>8}" for m in specs if m != "off"))
@@ -227,7 +240,7 @@ def main() -> int:
                 x = row[m]
                 cells.append(f"{x['tok_s']:>12.1f} {x['ratio']:>6.2f} {x['acceptance']:>6.2f} "
                              f"{x['tokens_per_verified_step']:>8.2f}"
-                             + ("" if x["same_greedy_tokens"] else " (OUTPUT DIFFERS)"))
+                             + ("" if x["same_tokens"] else " (OUTPUT DIFFERS)"))
         print(" ".join(cells))
         for k, v in row.items():
             if k.startswith("llamacpp_"):

@@ -28,6 +28,9 @@ class _CheckGrammar:
     def is_ready(self) -> bool:
         return True
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return tokens.index(REJECTED) if REJECTED in tokens else len(tokens)
+
     @property
     def error(self) -> str | None:
         return self.failure

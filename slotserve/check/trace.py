@@ -75,7 +75,10 @@ class TraceRecorder:
         self._num_schedules += 1
         if out is not None:
             self._step_of[id(out)] = self._num_schedules
-        self._write({"event": "schedule", "step": self._num_schedules, "now": now})
+        record: dict[str, Any] = {"event": "schedule", "step": self._num_schedules, "now": now}
+        if out is not None and out.scheduled_spec_decode_tokens:
+            record["drafts"] = out.scheduled_spec_decode_tokens  # what a replay must repeat
+        self._write(record)
 
     def update(self, out: SchedulerOutput, mro: ModelRunnerOutput,
                now: float | None = None) -> None:
@@ -118,7 +121,7 @@ def replay(path: str, check: bool = True) -> tuple[Scheduler, list[SchedulerOutp
         ready: dict[str, str | None] = nxt.get("ids", {}) if nxt.get("event") == "ready" else {}
         if kind == "config":
             # A speculative config comes back as its dict (an adaptive one decides from
-            # measured step times, which a replay does not reproduce).
+            # step times on the engine's clock, recorded with each call: it replays exactly).
             sc = {**e["scheduler"], "speculative_config": SpeculativeConfig.from_any(
                 e["scheduler"].get("speculative_config"))}
             scheduler = Scheduler(SchedulerConfig(**sc), CacheConfig(**e["cache"]))

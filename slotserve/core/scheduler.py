@@ -404,7 +404,7 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
         )
         out = SchedulerOutput(
-            scheduled_spec_decode_tokens=(self.spec.take_scheduled(num_scheduled)
+            scheduled_spec_decode_tokens=(self.spec.take_scheduled(num_scheduled, self.now)
                                           if self.spec is not None else {}),
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached,
@@ -437,7 +437,7 @@ class Scheduler:
         outputs = self.pending_outputs
         self.pending_outputs = []
         if self.spec is not None:
-            self.spec.step_done()
+            self.spec.step_done(self.now)
         sampled = model_runner_output.sampled_token_ids
         index_of = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs

@@ -27,6 +27,11 @@ class StructuredOutputGrammar(Protocol):
         """Undo the last num_tokens accepted tokens."""
         ...
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would accept next (nothing advances):
+        speculative drafts are cut at the first token it refuses."""
+        ...
+
     def is_terminated(self) -> bool:
         """The grammar is complete and allows no further token (EOS aside)."""
         ...

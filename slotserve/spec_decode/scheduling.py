@@ -12,7 +12,6 @@ drafts are accepted it stands at the accepted tokens' end, num_tokens - 1.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +81,6 @@ class SpecDecodeScheduler:
                 num_tokens: int) -> list[int]:
         """Drafts for running request r, which is scheduled one token (its last) this step
         with `budget` tokens left after it; num_reqs/num_tokens: the step's expected size."""
-        if r.structured_output_request is not None:
-            return []  # grammar-constrained requests do not speculate (docs/SPEC_DECODE.md)
         k = min(self.k, budget, max_model_len - r.num_computed_tokens - 1)
         if r.max_tokens is not None:
             k = min(k, r.max_tokens - r.num_output_tokens - 1)
@@ -93,6 +90,10 @@ class SpecDecodeScheduler:
         if st is None:
             st = self.states[r.request_id] = _RequestState(self._new_proposer())
         drafts = st.proposer.propose(r.all_token_ids, k)
+        sor = r.structured_output_request
+        if drafts and sor is not None:
+            # A draft the grammar refuses could never be kept: cut the drafts before it.
+            drafts = drafts[:sor.grammar.validate_tokens(drafts)]
         if not drafts:
             return []
         if self.config.adaptive:
@@ -114,21 +115,26 @@ class SpecDecodeScheduler:
         if self.states.pop(r.request_id, None) is not None and self.cache is not None:
             self.cache.add(r.output_token_ids)
 
-    def take_scheduled(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
-        """This step's drafts (of requests still scheduled), for SchedulerOutput; starts the
-        step's clock when it is a decode/verify step whose time the cost model can use."""
+    def take_scheduled(self, num_scheduled: dict[str, int], now: float
+                       ) -> dict[str, list[int]]:
+        """This step's drafts (of requests still scheduled), for SchedulerOutput; `now`, the
+        engine's clock at schedule(), starts the step's clock when it is a decode/verify step
+        whose time the cost model can use. The clock is the engine's, recorded in traces, so
+        the policy's decisions depend only on recorded inputs and a trace replays exactly."""
         out = {rid: d for rid, d in self.scheduled.items() if rid in num_scheduled}
         self.scheduled = {}
         self._step_tokens = sum(num_scheduled.values())
         self._step_measurable = bool(num_scheduled) and max(num_scheduled.values()) <= self.k + 1
-        self._step_start = time.perf_counter()
+        self._step_start = now
         return out
 
     # ------------------------------------------------------------------ update_from_output()
-    def step_done(self) -> None:
-        if self._step_measurable:
-            self.cost.observe(self._step_tokens, time.perf_counter() - self._step_start)
-            self._step_measurable = False
+    def step_done(self, now: float) -> None:
+        """`now`: the engine's clock at update_from_output (callers without a clock pass the
+        same time as at schedule(): nothing is measured)."""
+        if self._step_measurable and now > self._step_start:
+            self.cost.observe(self._step_tokens, now - self._step_start)
+        self._step_measurable = False
 
     def roll_back(self, r: Request) -> None:
         """After verification: what is computed ends before the last kept token, as after a

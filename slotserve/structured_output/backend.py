@@ -16,7 +16,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
-from slotserve.errors import SlotServeError
+from slotserve.errors import InvariantViolation, SlotServeError
 from slotserve.memory import trim_heap
 from slotserve.structured_output.limits import error_excerpt, parser_limits
 
@@ -56,6 +56,11 @@ class GuidanceGrammar:
             self._error = error_excerpt(self.matcher.get_error() or "rollback failed")
         del self._consumed[-num_tokens:]
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        if self._error is not None:
+            return 0
+        return int(self.matcher.validate_tokens(tokens))
+
     def refuse(self, message: str, code: str) -> None:
         """Fail this matcher: the next token it is given is refused with `message`, and its
         request ends rejected with `code` (StructuredOutputGrammar.refusal)."""
@@ -77,10 +82,18 @@ class GuidanceGrammar:
     def consumed_token_ids(self) -> list[int]:
         return self._consumed
 
-    def fill_bitmask(self, bitmask: npt.NDArray[np.int32], row: int) -> None:
-        """The tokens allowed next (EOS only once the grammar is complete)."""
-        view = bitmask[row]
-        self.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+    def fill_bitmask(self, bitmask: npt.NDArray[np.int32], row: int,
+                     drafts: Sequence[int] = ()) -> None:
+        """The tokens allowed next (EOS only once the grammar is complete) in `row`; with
+        speculative drafts (the grammar accepts them: the scheduler cut them so), those
+        allowed after each one in the rows after it. The matcher ends where it started."""
+        for i in range(len(drafts) + 1):
+            view = bitmask[row + i]
+            self.matcher.unsafe_compute_mask_ptr(view.ctypes.data, view.nbytes)
+            if i < len(drafts) and not self.matcher.consume_token(drafts[i]):
+                raise InvariantViolation(f"the grammar refused draft {drafts[i]} it validated")
+        if drafts and not self.matcher.rollback(len(drafts)):
+            raise InvariantViolation(self.matcher.get_error() or "rollback failed")
 
 
 class GuidanceBackend:

@@ -246,23 +246,28 @@ class StructuredOutputManager:
                         scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The rows of the requests that sample in this step (their prefill completes) and
         have a grammar, in the order of num_scheduled_tokens."""
-        rows: list[tuple[str, GuidanceGrammar]] = []
+        rows: list[tuple[str, GuidanceGrammar, list[int]]] = []
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for rid in scheduler_output.num_scheduled_tokens:
             r = requests.get(rid)
-            # schedule() advanced num_computed_tokens already: equal means it samples.
+            # schedule() advanced num_computed_tokens already: equal means it samples (a
+            # request with drafts advanced by them too).
+            d = drafts.get(rid, [])
             if (r is None or r.structured_output_request is None
-                    or r.num_computed_tokens < r.num_tokens):
+                    or r.num_computed_tokens < r.num_tokens + len(d)):
                 continue
             grammar = r.structured_output_request.grammar
             assert isinstance(grammar, GuidanceGrammar)
-            rows.append((rid, grammar))
+            rows.append((rid, grammar, d))
         if not rows:
             return None
-        if self._bitmask is None:
-            self._bitmask = allocate_bitmask(self._max_num_seqs,
+        # A request verifying k drafts samples k + 1 positions: a row for each, the i-th
+        # as if the first i drafts were kept.
+        ids = [rid for rid, _, d in rows for _ in range(1 + len(d))]
+        if self._bitmask is None or len(self._bitmask) < len(ids):
+            self._bitmask = allocate_bitmask(max(self._max_num_seqs, len(ids)),
                                              self.backend.ll_tokenizer.vocab_size)
-        bitmask = self._bitmask[:len(rows)]
-        ids = [rid for rid, _ in rows]
+        bitmask = self._bitmask[:len(ids)]
         if self._filler is None:
             self._fill(rows, bitmask)
             return GrammarOutput(ids, bitmask)
@@ -275,15 +280,17 @@ class StructuredOutputManager:
 
         return GrammarOutput(ids, bitmask, wait)
 
-    def _fill(self, rows: list[tuple[str, GuidanceGrammar]],
+    def _fill(self, rows: list[tuple[str, GuidanceGrammar, list[int]]],
               bitmask: npt.NDArray[np.int32]) -> None:
         start = time.perf_counter()
         # A row's cost is the CPU time of this thread (llguidance fills it here): a loaded
         # machine that preempts the thread makes no grammar look costly.
         last = time.thread_time()
         spent: dict[str, list[tuple[float, CompilingGrammar]]] = {}
-        for i, (_, grammar) in enumerate(rows):
-            grammar.fill_bitmask(bitmask, i)
+        i = 0
+        for _, grammar, drafts in rows:
+            grammar.fill_bitmask(bitmask, i, drafts)
+            i += 1 + len(drafts)
             now = time.thread_time()
             if isinstance(grammar, CompilingGrammar) and grammar.client is not None:
                 spent.setdefault(grammar.client, []).append((now - last, grammar))
@@ -292,7 +299,7 @@ class StructuredOutputManager:
         if self.mask_budget_s is not None:
             for costs in spent.values():
                 self._enforce_mask_budget(costs, self.mask_budget_s)
-        self.stats.num_mask_rows += len(rows)
+        self.stats.num_mask_rows += i
         self.stats.mask_fill_s += took
         if self._filler is None:
             self.stats.mask_wait_s += took

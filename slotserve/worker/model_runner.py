@@ -399,18 +399,21 @@ class ModelRunner:
                           ids: list[str], sample_ids: list[str]) -> None:
         """The bias rows of this run's requests (a step isolating a failure runs them one by
         one); every one of them must sample."""
-        row_of = {rid: row for row, rid in enumerate(sample_ids)}
+        # A request verifying drafts has a row per sampled position, in order, in both.
+        row_of: dict[str, list[int]] = {}
+        for row, rid in enumerate(sample_ids):
+            row_of.setdefault(rid, []).append(row)
         in_run = set(ids)
         rows: list[int] = []
         picks: list[int] = []
         for k, rid in enumerate(grammar_output.structured_output_request_ids):
             if rid not in in_run:
                 continue
-            row = row_of.get(rid)
-            if row is None:
+            free = row_of.get(rid)
+            if not free:
                 raise InvariantViolation(f"request {rid!r} has a grammar bitmask but does not "
                                          "sample in this step")
-            rows.append(row)
+            rows.append(free.pop(0))
             picks.append(k)
         bitmask = grammar_output.ready_bitmask()
         if not rows:
