@@ -1,0 +1,205 @@
+/* Q4_0, Q5_0 and Q8_0 weights repacked at load into groups of 16 interleaved rows, times Q8_0
+ * activations with AVX-512 VNNI: one 512-bit weight load feeds all 16 rows of a group, and a
+ * group stays in L1 while every activation row of the call runs against it.
+ *
+ * The layout is what ggml's CPU "repack" does for the same reason (block_q4_0x8 and kin: the
+ * scales of several rows' blocks first, then their quants interleaved a few bytes at a time),
+ * here with 16 rows and 4 bytes, the width of one vpdpbusd lane. Per group of rows 16r..16r+15
+ * and per block b (32 values), one record of 16 * block-bytes bytes (so the packed matrix has
+ * exactly the original's size):
+ *
+ *   16 float16 scales d, row 0 first;
+ *   Q5_0 only: 8 uint64 high-bit masks, mask g bit 4r + t = high bit of value 4g + t of row r;
+ *   the quants as "lanes": lane register g, bytes 4r..4r+3 = row r's quant bytes 4g..4g+3
+ *     (Q8_0: 8 registers, the int8 values + 128; Q4_0 / Q5_0: 4 registers of packed nibbles,
+ *     whose low nibbles are values 4g..4g+3 and high nibbles values 16 + 4g..16 + 4g + 3).
+ *
+ * So vpdpbusd(acc, lanes_g, broadcast(activation bytes 4g..4g+3)) adds to int32 lane r the dot
+ * of row r's 4 values with the activation's: after a block's 8 of them every lane holds its
+ * row's integer block dot, with no horizontal sum, and one conversion, one scale product and
+ * one multiply-add finish the block for 16 rows at once. The unsigned offset of the weights
+ * (+128, +8, +16) is taken back exactly as in q8dot512.h: the dot starts from
+ * off * -sum(a). Per output the float sum runs over the blocks in order, as llama.cpp's
+ * reference does: y = sum_b (d_w,b * d_a,b) * isum_b (the scale product rounded, then fused).
+ *
+ * The repack and its inverse are plain C (every build; the tests round-trip them); the
+ * multiply exists where AVX-512 VNNI and BW are on. Included by qmatmul.c only. */
+#ifndef SLOTSERVE_Q8REPACK_H
+#define SLOTSERVE_Q8REPACK_H
+
+#define RP_ROWS 16
+
+static inline int rp_type_ok(int32_t type) { return type == 2 || type == 6 || type == 8; }
+
+/* One block's record in the packed layout from the 16 rows' blocks (`src` + r * row_bytes). */
+static void rp_pack_block(int32_t type, int32_t bytes, const uint8_t* src, int64_t row_bytes,
+                          uint8_t* dst) {
+    int qoff = type == 8 ? 2 : type == 2 ? 2 : 6;  /* the quants' offset in a block */
+    int lanes = type == 8 ? 8 : 4;
+    uint8_t* q = dst + 2 * RP_ROWS + (type == 6 ? 64 : 0);
+    if (type == 6) memset(dst + 2 * RP_ROWS, 0, 64);
+    for (int r = 0; r < RP_ROWS; r++) {
+        const uint8_t* blk = src + r * row_bytes;
+        memcpy(dst + 2 * r, blk, 2);
+        for (int g = 0; g < lanes; g++)
+            for (int t = 0; t < 4; t++) {
+                uint8_t v = blk[qoff + 4 * g + t];
+                q[64 * g + 4 * r + t] = type == 8 ? (uint8_t)(v ^ 0x80) : v;
+            }
+        if (type == 6) {
+            uint32_t qh = u32le(blk + 2);
+            for (int g = 0; g < 8; g++)
+                for (int t = 0; t < 4; t++)
+                    dst[2 * RP_ROWS + 8 * g + (4 * r + t) / 8] |=
+                        (uint8_t)(((qh >> (4 * g + t)) & 1u) << ((4 * r + t) % 8));
+        }
+    }
+    (void)bytes;
+}
+
+/* Row r's block back in its GGUF form (`out`: bytes bytes) from a packed block record. */
+static void rp_unpack_block(int32_t type, const uint8_t* rec, int r, uint8_t* out) {
+    int qoff = type == 8 ? 2 : type == 2 ? 2 : 6;
+    int lanes = type == 8 ? 8 : 4;
+    const uint8_t* q = rec + 2 * RP_ROWS + (type == 6 ? 64 : 0);
+    memcpy(out, rec + 2 * r, 2);
+    for (int g = 0; g < lanes; g++)
+        for (int t = 0; t < 4; t++) {
+            uint8_t v = q[64 * g + 4 * r + t];
+            out[qoff + 4 * g + t] = type == 8 ? (uint8_t)(v ^ 0x80) : v;
+        }
+    if (type == 6) {
+        uint32_t qh = 0;
+        for (int g = 0; g < 8; g++)
+            for (int t = 0; t < 4; t++) {
+                uint32_t bit = (rec[2 * RP_ROWS + 8 * g + (4 * r + t) / 8] >> ((4 * r + t) % 8)) & 1u;
+                qh |= bit << (4 * g + t);
+            }
+        uint8_t le[4] = {(uint8_t)qh, (uint8_t)(qh >> 8), (uint8_t)(qh >> 16), (uint8_t)(qh >> 24)};
+        memcpy(out + 2, le, 4);
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define RP_SIMD 1
+#define RP_MR 8            /* activation rows per tile: 8 accumulators + 8 weight registers */
+#define RP_DEC_MAX 64      /* blocks per row decoded ahead (k <= 2048: 36 KiB of stack) */
+#ifndef RP_PREFETCH_BYTES
+#define RP_PREFETCH_BYTES 4096
+#endif
+typedef int32_t rp_i32 __attribute__((may_alias, aligned(1)));
+
+/* A block record's 16 scales and its 8 lane registers of unsigned values (0..255, 0..15,
+   0..31), the register g for activation bytes 4g..4g+3. */
+static inline __attribute__((always_inline)) void rp_decode(const int type, const uint8_t* rec,
+                                                            __m512i w[8], __m512* dw) {
+    *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
+    if (type == 8) {
+        for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void*)(rec + 32 + 64 * g));
+        return;
+    }
+    const uint8_t* q = rec + 32 + (type == 6 ? 64 : 0);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < 4; g++) {
+        __m512i v = _mm512_loadu_si512((const void*)(q + 64 * g));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (type == 6) {
+            uint64_t ml, mh;
+            memcpy(&ml, rec + 32 + 8 * g, 8);
+            memcpy(&mh, rec + 32 + 8 * (g + 4), 8);
+            lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(ml), lo, _mm512_set1_epi8(16));
+            hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(mh), hi, _mm512_set1_epi8(16));
+        }
+        w[g] = lo;
+        w[g + 4] = hi;
+    }
+}
+
+/* mr activation rows against one group of 16 weight rows: y[i * ldy + 0..15]. `dec`/`decd`:
+   the group decoded ahead (nb blocks), or NULL to decode each record as it comes (`pf`: and
+   prefetch the bytes RP_PREFETCH_BYTES on). */
+static inline __attribute__((always_inline)) void rp_tile(
+        const int type, const int shift, const uint8_t* grp, const __m512i* dec,
+        const __m512* decd, int64_t nb, const uint8_t* act, int64_t arb, int64_t k, float* y,
+        int64_t ldy, const int mr, const int pf) {
+    const int64_t rb = (int64_t)RP_ROWS * (type == 8 ? 34 : type == 2 ? 18 : 22);
+    __m512 acc[RP_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i w[8];
+        __m512 dw;
+        if (dec) {
+            for (int g = 0; g < 8; g++) w[g] = dec[8 * b + g];
+            dw = decd[b];
+        } else {
+            const uint8_t* rec = grp + b * rb;
+            if (pf)
+                for (int64_t p = 0; p < rb; p += 64)
+                    __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+            rp_decode(type, rec, w, &dw);
+        }
+        for (int i = 0; i < mr; i++) {
+            const uint8_t* ai = act + i * arb;
+            const rp_i32* a = (const rp_i32*)(ai + 32 * b);
+            const float da = ((const float*)(ai + k))[b];
+            const int32_t ns = Q8_0_NEGSUM(ai, k, nb)[b];
+            __m512i s0 = _mm512_set1_epi32(ns * (1 << shift)), s1 = _mm512_setzero_si512();
+            for (int g = 0; g < 8; g += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(a[g]));
+                s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(a[g + 1]));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                     _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+#define RP_TILE_CASE(N, T, S) \
+    case N: rp_tile(T, S, gp, dp, dd, nb, a_, arb, k, y_, ldy, N, pf); break;
+/* Groups [g0, g1) against activation rows [m0, m1). */
+#define RP_MM(NAME, TYPE, SHIFT)                                                             \
+static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,      \
+                         int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,            \
+                         int64_t g0, int64_t g1) {                                            \
+    const int64_t rb = (int64_t)RP_ROWS * (TYPE == 8 ? 34 : TYPE == 2 ? 18 : 22);            \
+    /* Nibble types decode a group once when more than one tile of rows reads it. */          \
+    const int ahead = TYPE != 8 && m1 - m0 > RP_MR && nb <= RP_DEC_MAX;                       \
+    __m512i dec[ahead ? 8 * nb : 1];                                                          \
+    __m512 decd[ahead ? nb : 1];                                                              \
+    for (int64_t grp = g0; grp < g1; grp++) {                                                 \
+        const uint8_t* gp = wp + grp * nb * rb;                                               \
+        const __m512i* dp = 0;                                                                \
+        const __m512* dd = 0;                                                                 \
+        if (ahead) {                                                                          \
+            for (int64_t b = 0; b < nb; b++) {                                                \
+                for (int64_t p = 0; p < rb; p += 64)                                          \
+                    __builtin_prefetch(gp + b * rb + p + RP_PREFETCH_BYTES, 0, 3);            \
+                rp_decode(TYPE, gp + b * rb, dec + 8 * b, decd + b);                          \
+            }                                                                                 \
+            dp = dec;                                                                         \
+            dd = decd;                                                                        \
+        }                                                                                     \
+        for (int64_t i = m0; i < m1; i += RP_MR) {                                            \
+            const uint8_t* a_ = act + i * arb;                                                \
+            float* y_ = y + i * ldy + grp * RP_ROWS;                                          \
+            const int pf = !ahead && i == m0;                                                 \
+            switch (m1 - i < RP_MR ? (int)(m1 - i) : RP_MR) {                                 \
+                RP_TILE_CASE(1, TYPE, SHIFT) RP_TILE_CASE(2, TYPE, SHIFT)                     \
+                RP_TILE_CASE(3, TYPE, SHIFT) RP_TILE_CASE(4, TYPE, SHIFT)                     \
+                RP_TILE_CASE(5, TYPE, SHIFT) RP_TILE_CASE(6, TYPE, SHIFT)                     \
+                RP_TILE_CASE(7, TYPE, SHIFT) default:                                         \
+                rp_tile(TYPE, SHIFT, gp, dp, dd, nb, a_, arb, k, y_, ldy, RP_MR, pf);         \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+RP_MM(q4_0, 2, 3) RP_MM(q5_0, 6, 4) RP_MM(q8_0, 8, 7)
+typedef void (*rp_mm_fn)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                         int64_t, float*, int64_t, int64_t, int64_t);
+static rp_mm_fn rp_kernel(int32_t type) {
+    return type == 2 ? q4_0_rp_mm : type == 6 ? q5_0_rp_mm : type == 8 ? q8_0_rp_mm : 0;
+}
+#endif
+
+#endif
