@@ -1,4 +1,4 @@
-"""Q4_0 / Q5_0 / Q8_0 weights repacked into 16 interleaved rows (`csrc/q8repack.h`, the AVX-512
+"""Q4_0 / Q5_0 / Q8_0 / Q4_K weights repacked into 16 interleaved rows (`csrc/q8repack.h`, the AVX-512
 VNNI build's layout for `--quantization auto`):
 
 - every output is within float rounding of the plain reference of llama.cpp's scheme
@@ -25,7 +25,7 @@ from tests.checkpoint.gguf_convert import Q
 from tests.models import q8_reference as ref
 from tests.models.test_qmatmul_int8 import assert_split_changes_no_bit, weight
 
-TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0]
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K]
 LEVELS = native_build.supported_levels()
 
 
@@ -48,6 +48,8 @@ def test_packed_matmul_equals_llamacpps_scheme(lib: native_qmatmul._Lib, qtype: 
     for i, (m, n, blocks) in enumerate([(1, 16, 1), (2, 32, 3), (3, 48, 20), (4, 16, 2),
                                         (5, 16, 1), (6, 32, 5), (7, 16, 2), (8, 16, 3),
                                         (9, 64, 20), (17, 32, 2), (33, 16, 70)]):
+        if block == 256:  # the K-quants' blocks are 8 times longer
+            blocks = -(-blocks // 8)
         k = blocks * block
         data, dense = weight(qtype, n, k, seed=40 + i)
         plain = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib)
@@ -59,8 +61,8 @@ def test_packed_matmul_equals_llamacpps_scheme(lib: native_qmatmul._Lib, qtype: 
         old = torch.full((m, n), float("nan"))
         packed.matmul(x, got)
         plain.matmul(x, old)
-        want = ref.matmul(x.numpy(), dense, None, ref.Q8_0)
-        bound = ref.bound(x.numpy(), dense, ref.Q8_0)
+        want = ref.matmul(x.numpy(), dense, None, plain.act_kind)
+        bound = ref.bound(x.numpy(), dense, plain.act_kind)
         excess = (np.abs(got.numpy() - want) / bound).max()
         assert excess <= 1.0, f"{m}x{n}x{k}: error {excess:.2f}x the rounding bound"
         assert (np.abs(got.numpy() - old.numpy()) / bound).max() <= 2.0
@@ -93,8 +95,8 @@ def test_without_the_layout_weights_stay_as_they_are(lib: native_qmatmul._Lib) -
     data, _ = weight(Q.Q8_0, 17, k, seed=9)  # 17 rows: not whole groups
     odd = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=lib)
     assert not odd.can_repack and odd.repacked() is odd
-    data, _ = weight(Q.Q4_K, 16, 256, seed=9)
-    assert not QuantWeight(torch.from_numpy(data), int(Q.Q4_K), 256, lib=lib).can_repack
+    data, _ = weight(Q.Q6_K, 16, 256, seed=9)
+    assert not QuantWeight(torch.from_numpy(data), int(Q.Q6_K), 256, lib=lib).can_repack
     data, _ = weight(Q.Q8_0, 16, k, seed=9)
     exact = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, int8=False, lib=lib)
     assert not exact.can_repack

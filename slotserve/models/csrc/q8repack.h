@@ -1,4 +1,4 @@
-/* Q4_0, Q5_0 and Q8_0 weights repacked at load into groups of 16 interleaved rows, times Q8_0
+/* Q4_0, Q5_0, Q8_0 (and Q4_K, below) weights repacked at load into groups of 16 interleaved rows, times 8-bit
  * activations with AVX-512 VNNI: one 512-bit weight load feeds all 16 rows of a group, and a
  * group stays in L1 while every activation row of the call runs against it.
  *
@@ -29,11 +29,43 @@
 
 #define RP_ROWS 16
 
-static inline int rp_type_ok(int32_t type) { return type == 2 || type == 6 || type == 8; }
+static inline int rp_type_ok(int32_t type) {
+    return type == 2 || type == 6 || type == 8 || type == 12;
+}
+
+/* Q4_K (256 values a block, Q8_K activations) per 16 rows: d[16], dmin[16] (float16), the 12
+   six-bit scale bytes as 12 planes of 16 (plane i byte r = row r's scales[i]), then the quants
+   as 4 pairs of sub-blocks times 8 lane registers: pair p, register g, bytes 4r..4r+3 = row
+   r's qs[32p + 4g..32p + 4g + 3], whose low nibbles are sub-block 2p's values 4g..4g+3 and
+   high nibbles sub-block 2p + 1's. */
+#define RP_K_SCALES 64
+#define RP_K_QS 256
+/* pack: row r's block `blk` into the record `rec`; else back (blk written, rec read). */
+static void rp_k_block(uint8_t* blk, int r, uint8_t* rec, int pack) {
+    for (int i = 0; i < 4; i++) {  /* d, dmin */
+        uint8_t* a = rec + 32 * (i / 2) + 2 * r + i % 2;
+        if (pack) *a = blk[i]; else blk[i] = *a;
+    }
+    for (int i = 0; i < 12; i++) {
+        uint8_t* a = rec + RP_K_SCALES + 16 * i + r;
+        if (pack) *a = blk[4 + i]; else blk[4 + i] = *a;
+    }
+    for (int p = 0; p < 4; p++)
+        for (int g = 0; g < 8; g++)
+            for (int t = 0; t < 4; t++) {
+                uint8_t* a = rec + RP_K_QS + 512 * p + 64 * g + 4 * r + t;
+                if (pack) *a = blk[16 + 32 * p + 4 * g + t];
+                else blk[16 + 32 * p + 4 * g + t] = *a;
+            }
+}
 
 /* One block's record in the packed layout from the 16 rows' blocks (`src` + r * row_bytes). */
 static void rp_pack_block(int32_t type, int32_t bytes, const uint8_t* src, int64_t row_bytes,
                           uint8_t* dst) {
+    if (type == 12) {
+        for (int r = 0; r < RP_ROWS; r++) rp_k_block((uint8_t*)(src + r * row_bytes), r, dst, 1);  /* read only */
+        return;
+    }
     int qoff = type == 8 ? 2 : type == 2 ? 2 : 6;  /* the quants' offset in a block */
     int lanes = type == 8 ? 8 : 4;
     uint8_t* q = dst + 2 * RP_ROWS + (type == 6 ? 64 : 0);
@@ -59,6 +91,10 @@ static void rp_pack_block(int32_t type, int32_t bytes, const uint8_t* src, int64
 
 /* Row r's block back in its GGUF form (`out`: bytes bytes) from a packed block record. */
 static void rp_unpack_block(int32_t type, const uint8_t* rec, int r, uint8_t* out) {
+    if (type == 12) {
+        rp_k_block(out, r, (uint8_t*)rec, 0);
+        return;
+    }
     int qoff = type == 8 ? 2 : type == 2 ? 2 : 6;
     int lanes = type == 8 ? 8 : 4;
     const uint8_t* q = rec + 2 * RP_ROWS + (type == 6 ? 64 : 0);
@@ -195,10 +231,93 @@ static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int6
     }                                                                                         \
 }
 RP_MM(q4_0, 2, 3) RP_MM(q5_0, 6, 4) RP_MM(q8_0, 8, 7)
+
+/* Q4_K: per block, for each activation row of the tile, the 8 sub-blocks' integer dots for
+   16 rows (8 vpdpbusd each) times their scales, and the mins times the activation's sums of
+   32 (from its bsums of 16), all exact int32; then
+   acc += (d_w * d_a) * isum - (dmin_w * d_a) * msum, as q8dot.h's formula. */
+#define RP_K_MR 4
+static inline __m128i rp_k_six(const uint8_t* rec, int j, int mins) {
+    const __m128i* pl = (const __m128i*)(rec + RP_K_SCALES);
+    const __m128i m63 = _mm_set1_epi8(63), m0f = _mm_set1_epi8(0x0f), m30 = _mm_set1_epi8(0x30);
+    if (j < 4) return _mm_and_si128(_mm_loadu_si128(pl + j + 4 * mins), m63);
+    __m128i lo = _mm_loadu_si128(pl + j + 4);  /* scales[j + 8] */
+    lo = mins ? _mm_and_si128(_mm_srli_epi16(lo, 4), m0f) : _mm_and_si128(lo, m0f);
+    __m128i top = _mm_loadu_si128(pl + j - 4 + 4 * mins);
+    return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(top, 2), m30));
+}
+
+static inline __attribute__((always_inline)) void rp_k_tile(
+        const uint8_t* grp, int64_t nb, const uint8_t* act, int64_t arb, int64_t k, float* y,
+        int64_t ldy, const int mr, const int pf) {
+    const int64_t rb = (int64_t)RP_ROWS * 144;
+    __m512 acc[RP_K_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* rec = grp + b * rb;
+        if (pf)
+            for (int64_t p = 0; p < rb; p += 64)
+                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+        __m512i isum[RP_K_MR], msum[RP_K_MR];
+        for (int i = 0; i < mr; i++) isum[i] = msum[i] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            __m512i w[8];
+            for (int g = 0; g < 8; g++) {
+                __m512i v = _mm512_loadu_si512((const void*)(rec + RP_K_QS + 512 * (s / 2) + 64 * g));
+                w[g] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, m4);
+            }
+            const __m512i sc = _mm512_cvtepu8_epi32(rp_k_six(rec, s, 0));
+            const __m512i mn = _mm512_cvtepu8_epi32(rp_k_six(rec, s, 1));
+            for (int i = 0; i < mr; i++) {
+                const uint8_t* ai = act + i * arb;
+                const rp_i32* a = (const rp_i32*)(ai + 256 * b + 32 * s);
+                const int16_t* bs = (const int16_t*)((const float*)(ai + k) + nb) + 16 * b;
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(a[g]));
+                    s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(a[g + 1]));
+                }
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc));
+                msum[i] = _mm512_add_epi32(msum[i], _mm512_mullo_epi32(
+                    mn, _mm512_set1_epi32((int32_t)bs[2 * s] + bs[2 * s + 1])));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(rec + 32)));
+        for (int i = 0; i < mr; i++) {
+            const __m512 da = _mm512_set1_ps(((const float*)(act + i * arb + k))[b]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, da), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[i]), _mm512_mul_ps(dmin, da),
+                                      acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+static void q4_k_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,
+                       int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy, int64_t g0,
+                       int64_t g1) {
+    for (int64_t grp = g0; grp < g1; grp++) {
+        const uint8_t* gp = wp + grp * nb * RP_ROWS * 144;
+        for (int64_t i = m0; i < m1; i += RP_K_MR) {
+            const uint8_t* a_ = act + i * arb;
+            float* y_ = y + i * ldy + grp * RP_ROWS;
+            const int pf = i == m0;
+            switch (m1 - i < RP_K_MR ? (int)(m1 - i) : RP_K_MR) {
+                case 1: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, 1, pf); break;
+                case 2: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, 2, pf); break;
+                case 3: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, 3, pf); break;
+                default: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, RP_K_MR, pf);
+            }
+        }
+    }
+}
 typedef void (*rp_mm_fn)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
                          int64_t, float*, int64_t, int64_t, int64_t);
 static rp_mm_fn rp_kernel(int32_t type) {
-    return type == 2 ? q4_0_rp_mm : type == 6 ? q5_0_rp_mm : type == 8 ? q8_0_rp_mm : 0;
+    return type == 2 ? q4_0_rp_mm : type == 6 ? q5_0_rp_mm : type == 8 ? q8_0_rp_mm
+         : type == 12 ? q4_k_rp_mm : 0;
 }
 #endif
 

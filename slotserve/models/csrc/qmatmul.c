@@ -564,7 +564,7 @@ int slotserve_dequant_rows_packed(int32_t type, const uint8_t* wp, int64_t n, in
     for (int64_t i = 0; i < num_rows; i++)
         if (rows[i] < 0 || rows[i] >= n) return QMM_BAD_ROW;
     int64_t nb = k / t->block, rec = (int64_t)RP_ROWS * t->bytes;
-    uint8_t blk[64];
+    uint8_t blk[256];  /* one block in its GGUF form */
     for (int64_t i = 0; i < num_rows; i++) {
         const uint8_t* grp = wp + rows[i] / RP_ROWS * RP_ROWS * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
@@ -585,7 +585,7 @@ int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int6
     int rc = rp_check(type, n, k, row_bytes, &t);
     if (rc) return rc;
     if (m < 0 || (m > 1 && ldy < n)) return QMM_BAD_SHAPE;
-    int64_t arb = act_row_bytes(ACT_Q8_0, k), nb = k / t->block;
+    int64_t arb = act_row_bytes(slotserve_q8_act_kind(type), k), nb = k / t->block;
     if (act_len < m * arb) return QMM_SMALL_SCRATCH;
     int64_t mb = Q8_X_BLOCK_BYTES / arb;
     mb = mb < RP_MR ? RP_MR : mb / RP_MR * RP_MR;
