@@ -107,7 +107,7 @@ class _QuantModule(nn.Module):
     after anything (`to_empty`, `to`) replaced the buffers.
 
     On first use each buffer whose kernel multiplies it faster interleaved
-    (`QuantWeight.repacked`: Q4_0 / Q5_0 / Q8_0 / Q4_K with AVX-512 VNNI) is replaced by its packed
+    (`QuantWeight.repacked`: Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI) is replaced by its packed
     copy, and the file's pages under a mapped original are dropped, so the weight is resident
     once either way."""
 

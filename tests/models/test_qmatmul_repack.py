@@ -1,4 +1,4 @@
-"""Q4_0 / Q5_0 / Q8_0 / Q4_K weights repacked into 16 interleaved rows (`csrc/q8repack.h`, the AVX-512
+"""Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K weights repacked into 16 interleaved rows (`csrc/q8repack.h`, the AVX-512
 VNNI build's layout for `--quantization auto`):
 
 - every output is within float rounding of the plain reference of llama.cpp's scheme
@@ -25,7 +25,7 @@ from tests.checkpoint.gguf_convert import Q
 from tests.models import q8_reference as ref
 from tests.models.test_qmatmul_int8 import assert_split_changes_no_bit, weight
 
-TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K]
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 LEVELS = native_build.supported_levels()
 
 
@@ -95,8 +95,8 @@ def test_without_the_layout_weights_stay_as_they_are(lib: native_qmatmul._Lib) -
     data, _ = weight(Q.Q8_0, 17, k, seed=9)  # 17 rows: not whole groups
     odd = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=lib)
     assert not odd.can_repack and odd.repacked() is odd
-    data, _ = weight(Q.Q6_K, 16, 256, seed=9)
-    assert not QuantWeight(torch.from_numpy(data), int(Q.Q6_K), 256, lib=lib).can_repack
+    data, _ = weight(Q.Q5_K, 16, 256, seed=9)
+    assert not QuantWeight(torch.from_numpy(data), int(Q.Q5_K), 256, lib=lib).can_repack
     data, _ = weight(Q.Q8_0, 16, k, seed=9)
     exact = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, int8=False, lib=lib)
     assert not exact.can_repack

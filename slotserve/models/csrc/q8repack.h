@@ -1,4 +1,4 @@
-/* Q4_0, Q5_0, Q8_0 (and Q4_K, below) weights repacked at load into groups of 16 interleaved rows, times 8-bit
+/* Q4_0, Q5_0, Q8_0 (and Q4_K, Q6_K, below) weights repacked at load into 16 interleaved rows, times 8-bit
  * activations with AVX-512 VNNI: one 512-bit weight load feeds all 16 rows of a group, and a
  * group stays in L1 while every activation row of the call runs against it.
  *
@@ -30,7 +30,57 @@
 #define RP_ROWS 16
 
 static inline int rp_type_ok(int32_t type) {
-    return type == 2 || type == 6 || type == 8 || type == 12;
+    return type == 2 || type == 6 || type == 8 || type == 12 || type == 14;
+}
+
+/* Q6_K (256 six-bit values v = q + 32 a block, scales per 16) per 16 rows: d[16] (float16),
+   the 16 int8 scales as 16 planes of 16 (plane g byte r = row r's scales[g]), the low nibbles
+   of 8 chunks of 32 values as 4 pairs times 8 lane registers (pair p, register g, byte 4r + t:
+   v[64p + 4g + t] & 15 | (v[64p + 32 + 4g + t] & 15) << 4), then their top two bits as 2
+   quads times 8 registers (quad h, register g, byte 4r + t: bits 2j..2j+1 = v[128h + 32j +
+   4g + t] >> 4). */
+#define RP_6_SCALES 32
+#define RP_6_LO 288
+#define RP_6_HI 2336
+static void rp_6_block(uint8_t* blk, int r, uint8_t* rec, int pack) {
+    uint8_t v[256];
+    if (pack) {
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) {
+                    int lo = (blk[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 0x0f;
+                    int hi = (blk[128 + 32 * h + l] >> (2 * s)) & 3;
+                    v[128 * h + 32 * s + l] = (uint8_t)(lo | hi << 4);
+                }
+        memcpy(rec + 2 * r, blk + 208, 2);
+        for (int g = 0; g < 16; g++) rec[RP_6_SCALES + 16 * g + r] = blk[192 + g];
+        for (int i = 0; i < 256; i++) {
+            int c = i / 32, o = i % 32;
+            uint8_t* lo = rec + RP_6_LO + 512 * (c / 2) + 64 * (o / 4) + 4 * r + o % 4;
+            uint8_t* hi = rec + RP_6_HI + 512 * (c / 4) + 64 * (o / 4) + 4 * r + o % 4;
+            if (c % 2 == 0) *lo = 0;
+            if (c % 4 == 0) *hi = 0;
+            *lo |= (uint8_t)((v[i] & 15) << (4 * (c % 2)));
+            *hi |= (uint8_t)((v[i] >> 4) << (2 * (c % 4)));
+        }
+        return;
+    }
+    for (int i = 0; i < 256; i++) {
+        int c = i / 32, o = i % 32;
+        uint8_t lo = rec[RP_6_LO + 512 * (c / 2) + 64 * (o / 4) + 4 * r + o % 4];
+        uint8_t hi = rec[RP_6_HI + 512 * (c / 4) + 64 * (o / 4) + 4 * r + o % 4];
+        v[i] = (uint8_t)(((lo >> (4 * (c % 2))) & 15) | ((hi >> (2 * (c % 4))) & 3) << 4);
+    }
+    memset(blk, 0, 192);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t x = v[128 * h + 32 * s + l];
+                blk[64 * h + 32 * (s % 2) + l] |= (uint8_t)((x & 15) << (4 * (s / 2)));
+                blk[128 + 32 * h + l] |= (uint8_t)((x >> 4) << (2 * s));
+            }
+    for (int g = 0; g < 16; g++) blk[192 + g] = rec[RP_6_SCALES + 16 * g + r];
+    memcpy(blk + 208, rec + 2 * r, 2);
 }
 
 /* Q4_K (256 values a block, Q8_K activations) per 16 rows: d[16], dmin[16] (float16), the 12
@@ -62,8 +112,9 @@ static void rp_k_block(uint8_t* blk, int r, uint8_t* rec, int pack) {
 /* One block's record in the packed layout from the 16 rows' blocks (`src` + r * row_bytes). */
 static void rp_pack_block(int32_t type, int32_t bytes, const uint8_t* src, int64_t row_bytes,
                           uint8_t* dst) {
-    if (type == 12) {
-        for (int r = 0; r < RP_ROWS; r++) rp_k_block((uint8_t*)(src + r * row_bytes), r, dst, 1);  /* read only */
+    if (type == 12 || type == 14) {  /* the blocks are only read */
+        for (int r = 0; r < RP_ROWS; r++)
+            (type == 12 ? rp_k_block : rp_6_block)((uint8_t*)(src + r * row_bytes), r, dst, 1);
         return;
     }
     int qoff = type == 8 ? 2 : type == 2 ? 2 : 6;  /* the quants' offset in a block */
@@ -91,8 +142,8 @@ static void rp_pack_block(int32_t type, int32_t bytes, const uint8_t* src, int64
 
 /* Row r's block back in its GGUF form (`out`: bytes bytes) from a packed block record. */
 static void rp_unpack_block(int32_t type, const uint8_t* rec, int r, uint8_t* out) {
-    if (type == 12) {
-        rp_k_block(out, r, (uint8_t*)rec, 0);
+    if (type == 12 || type == 14) {  /* the record is only read */
+        (type == 12 ? rp_k_block : rp_6_block)(out, r, (uint8_t*)rec, 0);
         return;
     }
     int qoff = type == 8 ? 2 : type == 2 ? 2 : 6;
@@ -295,29 +346,95 @@ static inline __attribute__((always_inline)) void rp_k_tile(
     for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
-static void q4_k_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,
-                       int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy, int64_t g0,
-                       int64_t g1) {
-    for (int64_t grp = g0; grp < g1; grp++) {
-        const uint8_t* gp = wp + grp * nb * RP_ROWS * 144;
-        for (int64_t i = m0; i < m1; i += RP_K_MR) {
-            const uint8_t* a_ = act + i * arb;
-            float* y_ = y + i * ldy + grp * RP_ROWS;
-            const int pf = i == m0;
-            switch (m1 - i < RP_K_MR ? (int)(m1 - i) : RP_K_MR) {
-                case 1: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, 1, pf); break;
-                case 2: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, 2, pf); break;
-                case 3: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, 3, pf); break;
-                default: rp_k_tile(gp, nb, a_, arb, k, y_, ldy, RP_K_MR, pf);
+/* Q6_K: per block and activation row, each 16-value group's integer dot for 16 rows (4
+   vpdpbusd from -32 * the activation's sum over the group: the offset of v exact), times the
+   group's scales, summed as int32; then acc += (d_w * d_a) * isum, as q8dot.h's formula. */
+static inline __m512i rp_6_hi(__m512i h, int c) {  /* bits 2c..2c+1 of each byte to 4..5 */
+    switch (c % 4) {
+        case 0: h = _mm512_slli_epi16(h, 4); break;
+        case 1: h = _mm512_slli_epi16(h, 2); break;
+        case 3: h = _mm512_srli_epi16(h, 2); break;
+        default: break;
+    }
+    return _mm512_and_si512(h, _mm512_set1_epi8(0x30));
+}
+
+static inline __attribute__((always_inline)) void rp_6_tile(
+        const uint8_t* grp, int64_t nb, const uint8_t* act, int64_t arb, int64_t k, float* y,
+        int64_t ldy, const int mr, const int pf) {
+    const int64_t rb = (int64_t)RP_ROWS * 210;
+    __m512 acc[RP_K_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* rec = grp + b * rb;
+        if (pf)
+            for (int64_t p = 0; p < rb; p += 64)
+                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+        __m512i isum[RP_K_MR];
+        for (int i = 0; i < mr; i++) isum[i] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++) {
+            __m512i w[8];
+            for (int g = 0; g < 8; g++) {
+                __m512i lo = _mm512_loadu_si512((const void*)(rec + RP_6_LO + 512 * (c / 2) + 64 * g));
+                __m512i hi = _mm512_loadu_si512((const void*)(rec + RP_6_HI + 512 * (c / 4) + 64 * g));
+                lo = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(lo, 4) : lo, m4);
+                w[g] = _mm512_or_si512(lo, rp_6_hi(hi, c));
+            }
+            const __m512i sc0 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i*)(rec + RP_6_SCALES + 16 * (2 * c))));
+            const __m512i sc1 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i*)(rec + RP_6_SCALES + 16 * (2 * c + 1))));
+            for (int i = 0; i < mr; i++) {
+                const uint8_t* ai = act + i * arb;
+                const rp_i32* a = (const rp_i32*)(ai + 256 * b + 32 * c);
+                const int16_t* bs = (const int16_t*)((const float*)(ai + k) + nb) + 16 * b;
+                __m512i s0 = _mm512_set1_epi32(-32 * (int32_t)bs[2 * c]);
+                __m512i s1 = _mm512_set1_epi32(-32 * (int32_t)bs[2 * c + 1]);
+                for (int g = 0; g < 4; g++) {
+                    s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(a[g]));
+                    s1 = _mm512_dpbusd_epi32(s1, w[g + 4], _mm512_set1_epi32(a[g + 4]));
+                }
+                isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0),
+                                                                     _mm512_mullo_epi32(s1, sc1)));
             }
         }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)rec));
+        for (int i = 0; i < mr; i++) {
+            const __m512 da = _mm512_set1_ps(((const float*)(act + i * arb + k))[b]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(d, da), acc[i]);
+        }
     }
+    for (int i = 0; i < mr; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
+
+/* The K-quants' groups against activation rows [m0, m1), RP_K_MR at a time. */
+#define RP_K_MM(NAME, TILE, BYTES)                                                           \
+static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,      \
+                         int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,            \
+                         int64_t g0, int64_t g1) {                                            \
+    for (int64_t grp = g0; grp < g1; grp++) {                                                 \
+        const uint8_t* gp = wp + grp * nb * RP_ROWS * (BYTES);                                \
+        for (int64_t i = m0; i < m1; i += RP_K_MR) {                                          \
+            const uint8_t* a_ = act + i * arb;                                                \
+            float* y_ = y + i * ldy + grp * RP_ROWS;                                          \
+            const int pf = i == m0;                                                           \
+            switch (m1 - i < RP_K_MR ? (int)(m1 - i) : RP_K_MR) {                             \
+                case 1: TILE(gp, nb, a_, arb, k, y_, ldy, 1, pf); break;                      \
+                case 2: TILE(gp, nb, a_, arb, k, y_, ldy, 2, pf); break;                      \
+                case 3: TILE(gp, nb, a_, arb, k, y_, ldy, 3, pf); break;                      \
+                default: TILE(gp, nb, a_, arb, k, y_, ldy, RP_K_MR, pf);                      \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+RP_K_MM(q4_k, rp_k_tile, 144) RP_K_MM(q6_k, rp_6_tile, 210)
+
 typedef void (*rp_mm_fn)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
                          int64_t, float*, int64_t, int64_t, int64_t);
 static rp_mm_fn rp_kernel(int32_t type) {
     return type == 2 ? q4_0_rp_mm : type == 6 ? q5_0_rp_mm : type == 8 ? q8_0_rp_mm
-         : type == 12 ? q4_k_rp_mm : 0;
+         : type == 12 ? q4_k_rp_mm : type == 14 ? q6_k_rp_mm : 0;
 }
 #endif
 
