@@ -99,6 +99,21 @@ class _Lib:
         self.act_row_bytes: Callable[..., int] = dll.slotserve_q8_act_row_bytes
         self.act_row_bytes.argtypes = [ctypes.c_int32, i]
         self.act_row_bytes.restype = ctypes.c_int64
+        self.repack: Callable[..., int] = dll.slotserve_q8_repack
+        self.repack.argtypes = [ctypes.c_int32, p, i, i, i, p, i]
+        self.repack.restype = ctypes.c_int
+        self.rows_packed: Callable[..., int] = dll.slotserve_dequant_rows_packed
+        self.rows_packed.argtypes = [ctypes.c_int32, p, i, i, i, p, i, p, i]
+        self.rows_packed.restype = ctypes.c_int
+        self.q8_matmul_packed: Callable[..., int] = dll.slotserve_qmatmul_q8_packed
+        self.q8_matmul_packed.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i,
+                                          ctypes.c_int32]
+        self.q8_matmul_packed.restype = ctypes.c_int
+        repack_rows = dll.slotserve_q8_repack_rows
+        repack_rows.argtypes = [ctypes.c_int32]
+        repack_rows.restype = ctypes.c_int32
+        # Rows per interleaved group where this build multiplies the type repacked (0: never).
+        self.repack_rows: dict[int, int] = {qtype: repack_rows(qtype) for qtype in KERNEL_TYPES}
         act_kind = dll.slotserve_q8_act_kind
         act_kind.argtypes = [ctypes.c_int32]
         act_kind.restype = ctypes.c_int32
@@ -196,12 +211,13 @@ class QuantWeight:
     """A matrix [n, k] held as n rows of GGML type `qtype` blocks (`blocks`: uint8 [n, bytes
     per row], contiguous, on the CPU), checked once here; each call checks only its own
     arguments. `int8`: multiply with 8-bit activations (`auto`), else float32 (`exact`).
-    `lib`: a level's kernel (level_library), default the one qmatmul_available() loaded."""
+    `lib`: a level's kernel (level_library), default the one qmatmul_available() loaded.
+    `packed`: `blocks` is in the kernel's interleaved layout (`repacked()`), not GGUF's."""
 
-    __slots__ = ("blocks", "int8", "k", "lib", "n", "qtype", "row_bytes")
+    __slots__ = ("blocks", "int8", "k", "lib", "n", "packed", "qtype", "row_bytes")
 
     def __init__(self, blocks: torch.Tensor, qtype: int, k: int, int8: bool = True,
-                 lib: _Lib | None = None) -> None:
+                 lib: _Lib | None = None, packed: bool = False) -> None:
         self.lib = _library() if lib is None else lib
         block, size = self.lib.layout.get(qtype, (0, 0))
         _check(block > 0, f"GGML type {qtype} has no kernel")
@@ -213,6 +229,29 @@ class QuantWeight:
                f"the weight has {blocks.shape[1]}")
         self.blocks, self.qtype, self.k, self.int8 = blocks, qtype, k, int8
         self.n, self.row_bytes = blocks.shape
+        self.packed = packed
+        _check(not packed or self.can_repack, f"a {self.n}-row {KERNEL_TYPES[qtype]} weight "
+               "has no packed layout in this build")
+
+    @property
+    def can_repack(self) -> bool:
+        """Whether this build multiplies the weight faster in its interleaved layout
+        (csrc/q8repack.h: Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI, rows a multiple of 16)."""
+        rows = self.lib.repack_rows[self.qtype]
+        return self.int8 and rows > 0 and self.n % rows == 0
+
+    def repacked(self) -> QuantWeight:
+        """This weight in the kernel's interleaved layout (a new buffer of the same size;
+        self when it is packed already or has no such layout). The values multiplied are
+        the same blocks; only the order of the float sums differs from the GGUF layout's."""
+        if self.packed or not self.can_repack:
+            return self
+        out = torch.empty_like(self.blocks)
+        rc = self.lib.repack(self.qtype, self.blocks.data_ptr(), self.n, self.k,
+                             self.row_bytes, out.data_ptr(), out.numel())
+        if rc != 0:
+            raise NativeKernelError(f"repack: {_ERRORS.get(rc, f'error {rc}')}")
+        return QuantWeight(out, self.qtype, self.k, self.int8, self.lib, packed=True)
 
     @property
     def act_kind(self) -> int:
@@ -264,9 +303,14 @@ class QuantWeight:
                 act = self.quantize(x)
                 if acts is not None:
                     acts[self.act_kind] = act
-            rc = lib.q8_matmul(self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes,
-                               act.data_ptr(), act.numel(), m, out.data_ptr(), ldo, 0, n,
-                               threads)
+            if self.packed:
+                rc = lib.q8_matmul_packed(self.qtype, self.blocks.data_ptr(), n, k,
+                                          self.row_bytes, act.data_ptr(), act.numel(), m,
+                                          out.data_ptr(), ldo, threads)
+            else:
+                rc = lib.q8_matmul(self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes,
+                                   act.data_ptr(), act.numel(), m, out.data_ptr(), ldo, 0, n,
+                                   threads)
             if rc != 0:
                 raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
             return
@@ -299,7 +343,8 @@ class QuantWeight:
                and out.shape[0] == ids.shape[0] and out.shape[1] == self.k
                and out.stride(1) == 1,
                f"out must be float32 [{ids.shape[0]}, {self.k}] with contiguous rows")
-        rc = lib.rows(self.qtype, self.blocks.data_ptr(), self.n, self.k, self.row_bytes,
-                      ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
+        rows = lib.rows_packed if self.packed else lib.rows
+        rc = rows(self.qtype, self.blocks.data_ptr(), self.n, self.k, self.row_bytes,
+                  ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
         if rc != 0:
             raise NativeKernelError(f"quantized embedding: {_ERRORS.get(rc, f'error {rc}')}")

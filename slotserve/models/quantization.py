@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from slotserve.checkpoint.dequant import CheckpointTensor, copy_blocks, gguf_type, map_blocks
+from slotserve.checkpoint.dequant import (
+    CheckpointTensor,
+    _drop_pages as drop_pages,
+    copy_blocks,
+    gguf_type,
+    map_blocks,
+)
 from slotserve.config import QuantizationMode
 from slotserve.errors import ModelLoadError
 from slotserve.models.native_qmatmul import (
@@ -98,19 +104,49 @@ def _load_blocks(buffer: torch.Tensor, loaded: CheckpointTensor, qtype: int, col
 
 class _QuantModule(nn.Module):
     """The kernel's view of the block buffers (`QuantWeight`s), made on first use and again
-    after anything (`to_empty`, `to`) replaced the buffers."""
+    after anything (`to_empty`, `to`) replaced the buffers.
+
+    On first use each buffer whose kernel multiplies it faster interleaved
+    (`QuantWeight.repacked`: Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI) is replaced by its packed
+    copy, and the file's pages under a mapped original are dropped, so the weight is resident
+    once either way."""
 
     def __init__(self, int8: bool) -> None:
         super().__init__()
         self.int8 = int8  # 8-bit activations (`auto`), else float32 (`exact`)
         self._views: list[QuantWeight] | None = None
+        self._packed: set[str] = set()  # buffers in the kernel's packed layout
+        self._mapped: set[str] = set()  # buffers that are views of the file's map
+
+    def _buffer_names(self) -> list[str]:
+        raise NotImplementedError
 
     def _make_views(self) -> list[QuantWeight]:
         raise NotImplementedError
 
+    def _loaded(self, name: str, mapped: torch.Tensor | None) -> None:
+        """Buffer `name` was (partly) loaded in the GGUF layout; `mapped`: it is now this
+        view of the file's map."""
+        self._packed.discard(name)
+        if mapped is not None:
+            setattr(self, name, mapped)
+            self._mapped.add(name)
+        self._views = None
+
     def views(self) -> list[QuantWeight]:
         if self._views is None:
-            self._views = self._make_views()
+            views = self._make_views()
+            for i, (name, view) in enumerate(zip(self._buffer_names(), views, strict=True)):
+                packed = view.repacked()
+                if packed is view:
+                    continue
+                setattr(self, name, packed.blocks)
+                self._packed.add(name)
+                if name in self._mapped:
+                    self._mapped.discard(name)
+                    drop_pages(view.blocks.numpy())
+                views[i] = packed
+            self._views = views
         return self._views
 
     def _apply(self, fn: Any, recurse: bool = True) -> _QuantModule:
@@ -137,14 +173,16 @@ class QuantizedLinear(_QuantModule):
             self.register_buffer(f"qweight_{i}", torch.empty(
                 seg.rows, _row_bytes(seg.qtype, in_features), dtype=torch.uint8))
 
+    def _buffer_names(self) -> list[str]:
+        return [f"qweight_{i}" for i in range(len(self.segments))]
+
     def blocks(self) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = [getattr(self, f"qweight_{i}")
-                                   for i in range(len(self.segments))]
-        return out
+        return [getattr(self, name) for name in self._buffer_names()]
 
     def _make_views(self) -> list[QuantWeight]:
-        return [QuantWeight(b, seg.qtype, self.in_features, self.int8)
-                for b, seg in zip(self.blocks(), self.segments, strict=True)]
+        return [QuantWeight(getattr(self, name), seg.qtype, self.in_features, self.int8,
+                            packed=name in self._packed)
+                for name, seg in zip(self._buffer_names(), self.segments, strict=True)]
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
@@ -162,9 +200,7 @@ class QuantizedLinear(_QuantModule):
         # A buffer that is one checkpoint tensor is that tensor's bytes in the file's map.
         mapped = _load_blocks(rows, loaded, shard.qtype, self.in_features, name,
                               whole=seg.rows == shard.rows)
-        if mapped is not None:
-            setattr(self, f"qweight_{i}", mapped)
-            self._views = None
+        self._loaded(f"qweight_{i}", mapped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x)
@@ -213,17 +249,19 @@ class QuantizedEmbedding(_QuantModule):
         self.register_buffer("qweight", torch.empty(
             num_embeddings, _row_bytes(qtype, embedding_dim), dtype=torch.uint8))
 
+    def _buffer_names(self) -> list[str]:
+        return ["qweight"]
+
     def _make_views(self) -> list[QuantWeight]:
-        return [QuantWeight(self.qweight, self.qtype, self.embedding_dim, self.int8)]
+        return [QuantWeight(self.qweight, self.qtype, self.embedding_dim, self.int8,
+                            packed="qweight" in self._packed)]
 
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
         del param, shard_id
         mapped = _load_blocks(self.qweight, loaded, self.qtype, self.embedding_dim, name,
                               whole=True)
-        if mapped is not None:
-            self.qweight = mapped
-            self._views = None
+        self._loaded("qweight", mapped)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).to(torch.int64).contiguous()

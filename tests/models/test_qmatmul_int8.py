@@ -146,8 +146,12 @@ def test_threads_split_the_rows_without_changing_a_bit() -> None:
     k, n, m = 640, 4101, 8  # split (over the pool's bar), not at multiples of the tile
     data, _ = weight(Q.Q8_0, n, k, seed=8)
     w = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8))
-    one, two = torch.empty(m, n), torch.empty(m, n)
+    assert_split_changes_no_bit(w, torch.randn(m, k, generator=torch.Generator().manual_seed(8)))
+
+
+def assert_split_changes_no_bit(w: QuantWeight, x: torch.Tensor) -> None:
+    """One thread and two give the same bits (test_qmatmul_repack too)."""
+    one, two = torch.empty(x.shape[0], w.n), torch.empty(x.shape[0], w.n)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -114,6 +114,13 @@ def test_single_tensor_blocks_are_the_files_map(mixed_file: Path) -> None:
     none, _ = load_model(mixed_file, quantization="none")
     ids = torch.arange(0, 384, 7)
     assert torch.equal(model.model.embed_tokens(ids), none.model.embed_tokens(ids))
+    # Once used, a buffer the kernel multiplies interleaved (Q8_0 / Q5_0 with AVX-512 VNNI,
+    # QuantWeight.repacked) is its packed copy instead of the map's pages; a Q4_K one stays.
+    emb = model.model.embed_tokens
+    if emb.views()[0].packed:
+        assert not in_file(emb.qweight) and in_file(layer.self_attn.o_proj.qweight_0)
+        assert layer.self_attn.qkv_proj.views()[1].packed  # v, Q8_0
+    assert torch.equal(emb(ids), none.model.embed_tokens(ids))
 
 
 def run(path: Path, quantization: str, prompts: list[list[int]]) -> ManualScheduler:

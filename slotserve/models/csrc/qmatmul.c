@@ -513,3 +513,99 @@ int slotserve_qmatmul_q8(int32_t type, const uint8_t* w, int64_t n, int64_t k,
     }
     return QMM_OK;
 }
+
+/* ---- weights repacked at load into 16 interleaved rows (q8repack.h) ------------------- */
+
+#include "q8repack.h"
+
+/* Rows per packed group when this build multiplies `type` in the packed layout, else 0 (the
+   weight then stays in its GGUF layout). */
+int32_t slotserve_q8_repack_rows(int32_t type) {
+#ifdef RP_SIMD
+    return rp_type_ok(type) ? RP_ROWS : 0;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+static int rp_check(int32_t type, int64_t n, int64_t k, int64_t row_bytes,
+                    const qtype_info** t) {
+    *t = find_type(type);
+    if (!*t || !rp_type_ok(type)) return QMM_BAD_TYPE;
+    if (check_layout(*t, n, k, row_bytes) || n % RP_ROWS) return QMM_BAD_SHAPE;
+    return QMM_OK;
+}
+
+/* W [n, k] (rows row_bytes apart, n a multiple of 16) into the packed layout in `out` (n *
+   row_bytes bytes, not overlapping w). */
+int slotserve_q8_repack(int32_t type, const uint8_t* w, int64_t n, int64_t k,
+                        int64_t row_bytes, uint8_t* out, int64_t out_len) {
+    const qtype_info* t;
+    int rc = rp_check(type, n, k, row_bytes, &t);
+    if (rc) return rc;
+    if (out_len < n * row_bytes) return QMM_SMALL_SCRATCH;
+    int64_t nb = k / t->block, rec = (int64_t)RP_ROWS * t->bytes;
+    for (int64_t g = 0; g < n / RP_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++)
+            rp_pack_block(type, t->bytes, w + g * RP_ROWS * row_bytes + b * t->bytes, row_bytes,
+                          out + g * RP_ROWS * row_bytes + b * rec);
+    return QMM_OK;
+}
+
+/* out[i, :] = row rows[i] of a packed W dequantized: each block put back in its GGUF form,
+   then the type's own dequantizer, so the values are those of slotserve_dequant_rows_f32. */
+int slotserve_dequant_rows_packed(int32_t type, const uint8_t* wp, int64_t n, int64_t k,
+        int64_t row_bytes, const int64_t* rows, int64_t num_rows, float* out, int64_t ldo) {
+    const qtype_info* t;
+    int rc = rp_check(type, n, k, row_bytes, &t);
+    if (rc) return rc;
+    if (num_rows < 0 || (num_rows > 1 && ldo < k)) return QMM_BAD_SHAPE;
+    for (int64_t i = 0; i < num_rows; i++)
+        if (rows[i] < 0 || rows[i] >= n) return QMM_BAD_ROW;
+    int64_t nb = k / t->block, rec = (int64_t)RP_ROWS * t->bytes;
+    uint8_t blk[256];  /* one block in its GGUF form */
+    for (int64_t i = 0; i < num_rows; i++) {
+        const uint8_t* grp = wp + rows[i] / RP_ROWS * RP_ROWS * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            rp_unpack_block(type, grp + b * rec, (int)(rows[i] % RP_ROWS), blk);
+            t->fn(blk, 1, out + i * ldo + b * t->block);
+        }
+    }
+    return QMM_OK;
+}
+
+/* slotserve_qmatmul_q8 for a weight packed by slotserve_q8_repack: y[:, 0:n] = x @ W^T, the
+   groups of 16 rows split over `threads` as that function splits its tiles. */
+int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int64_t k,
+        int64_t row_bytes, const uint8_t* act, int64_t act_len, int64_t m, float* y,
+        int64_t ldy, int32_t threads) {
+#ifdef RP_SIMD
+    const qtype_info* t;
+    int rc = rp_check(type, n, k, row_bytes, &t);
+    if (rc) return rc;
+    if (m < 0 || (m > 1 && ldy < n)) return QMM_BAD_SHAPE;
+    int64_t arb = act_row_bytes(slotserve_q8_act_kind(type), k), nb = k / t->block;
+    if (act_len < m * arb) return QMM_SMALL_SCRATCH;
+    int64_t mb = Q8_X_BLOCK_BYTES / arb;
+    mb = mb < RP_MR ? RP_MR : mb / RP_MR * RP_MR;
+    int64_t groups = n / RP_ROWS;
+    int parts = threads < 1 ? 1 : threads > groups ? (int)(groups < 1 ? 1 : groups) : threads;
+    rp_mm_fn fn = rp_kernel(type);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+#endif
+    for (int part = 0; part < parts; part++) {
+        int64_t lo = groups * part / parts, hi = groups * (part + 1) / parts;
+        for (int64_t m0 = 0; m0 < m; m0 += mb) {
+            int64_t m1 = m - m0 < mb ? m : m0 + mb;
+            fn(wp, nb, act, arb, k, m0, m1, y, ldy, lo, hi);
+        }
+    }
+    return QMM_OK;
+#else
+    (void)type; (void)wp; (void)n; (void)k; (void)row_bytes; (void)act; (void)act_len;
+    (void)m; (void)y; (void)ldy; (void)threads;
+    return QMM_BAD_TYPE;
+#endif
+}
