@@ -14,7 +14,6 @@ The bounds are what the code achieves with a small margin; the measured values a
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
@@ -73,18 +72,15 @@ def next_token_logits(model: DecoderForCausalLM, ids: list[int]) -> torch.Tensor
 BOUNDS = {"exact": (1.0, 1e-7), "auto": (0.95, 0.006)}
 
 
-def test_quantized_matches_dequantized_teacher_forced(loaded: tuple[Any, Any, Any]) -> None:
+def test_quantized_matches_dequantized_teacher_forced() -> None:
     path = gemma_path()
     tok = load_tokenizer(path)
     texts = [tok.encode(t) for t in TEXTS]
     assert all(len(ids) > POSITIONS for ids in texts)
     results = {}
     for mode in ("none", "exact", "auto"):
-        # `exact` is the package's float32 model (tests/checkpoint/conftest.py), loaded once
-        # for the proof and KV-dtype tests too; its longer rope table (1025 positions against
-        # 512) holds the same values at the positions used here.
-        model = loaded[0] if mode == "exact" else load_model(
-            path, dtype="float32", device="cpu", max_positions=512, quantization=mode)[0]
+        model, _ = load_model(path, dtype="float32", device="cpu", max_positions=512,
+                              quantization=mode)
         assert bool(quantized_names(model)) == (mode != "none")
         if mode != "none":  # every matrix, and the tied embedding / output projection
             assert len(quantized_names(model)) == 18 * 4 + 1
