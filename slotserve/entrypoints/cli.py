@@ -237,16 +237,10 @@ def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from slotserve.entrypoints import log_limits
-    from slotserve.entrypoints.async_llm import AsyncLLM
-    from slotserve.entrypoints.openai.api_server import build_app
-    from slotserve.entrypoints.openai.limits import uvicorn_config
     from slotserve.errors import SlotServeError
-    from slotserve.lora.request import parse_lora_modules
 
-    # Refused before anything starts: an empty key would silently turn authentication off.
+    # Refused before anything starts (and before the server's imports, seconds on a busy
+    # machine): an empty key would silently turn authentication off.
     for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
         if key is not None and not key.strip():
             return usage_error(f"{flag} (or its environment variable) is empty; give a key "
@@ -261,6 +255,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1 or args.ray_address:
         return _serve_on_ray(args, limits)
+    import uvicorn
+
+    from slotserve.entrypoints import log_limits
+    from slotserve.entrypoints.async_llm import AsyncLLM
+    from slotserve.entrypoints.openai.api_server import build_app
+    from slotserve.entrypoints.openai.limits import uvicorn_config
+    from slotserve.lora.request import parse_lora_modules
+
     if args.engine_mode == "process":
         # Only the engine child runs torch: importing it here too would cost the server
         # process about 200 MB of resident memory for nothing.

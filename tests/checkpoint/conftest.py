@@ -4,7 +4,8 @@ real Gemma 3 file loaded once for the tests that build engines over it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,3 +56,36 @@ def loaded(gemma: Path) -> tuple[Any, Any, Any]:
     model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025,
                             quantization="exact")
     return model, cfg, load_tokenizer(gemma)
+
+
+@pytest.fixture(scope="package")
+def gguf_parsed_once() -> Iterator[Callable[[], AbstractContextManager[None]]]:
+    """A block within which transformers parses each GGUF file's metadata once.
+
+    transformers reads the file's metadata for the config, again for the weights, and twice
+    for a tokenizer (its config, then the vocabulary): Gemma's 262,144-token arrays go field by
+    field through Python, 16 s of CPU a parse. Within the block `gguf.GGUFReader` (read-only,
+    memory-mapped) is made once per file for the package and shared: what transformers reads
+    is still the file.
+    """
+    from gguf import GGUFReader
+
+    readers: dict[str, GGUFReader] = {}
+
+    def reader(path: str | Path, *args: Any, **kwargs: Any) -> GGUFReader:
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = GGUFReader(path, *args, **kwargs)
+        return readers[key]
+
+    @contextmanager
+    def parsed_once() -> Iterator[None]:
+        import gguf
+
+        with pytest.MonkeyPatch.context() as mp:
+            # transformers imports the name from gguf inside the function that reads
+            mp.setattr(gguf, "GGUFReader", reader)
+            yield
+
+    yield parsed_once
+    readers.clear()

@@ -16,6 +16,8 @@ uses it).
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +60,15 @@ def prompt_ids(gemma: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(gemma: Path, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def hf_reference(gemma: Path, prompt_ids: list[list[int]],
+                 gguf_parsed_once: Callable[[], AbstractContextManager[None]]
+                 ) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens and their logprobs, one prompt at a time (no padding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
-                                                 dtype=torch.float32).eval()
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(gemma.parent), gguf_file=gemma.name,
+                                                     dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for ids in prompt_ids:

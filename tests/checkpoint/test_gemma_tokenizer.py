@@ -5,6 +5,8 @@ the file has no chat template, so Gemma's turn format is used, and said so."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,11 @@ def gemma() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gemma: Path) -> Any:
+def reference(gemma: Path, gguf_parsed_once: Callable[[], AbstractContextManager[None]]) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(gemma.parent), gguf_file=gemma.name)
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(str(gemma.parent), gguf_file=gemma.name)
 
 
 def test_prompt_ids_equal_transformers(gemma: Path, reference: Any) -> None:
