@@ -48,7 +48,7 @@ def processes(pid: int) -> dict[str, int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         for child in (task / "children").read_text().split():
             cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            role = ("chat-render" if "chat_render" in cmd else "core" if "spawn_main" in cmd
+            role = ("chat-render" if "chat_render" in cmd else "core" if "core_process" in cmd
                     else None)
             if role is not None:
                 out[role] = int(child)

@@ -45,15 +45,18 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_OUTPUT_CHARS = 16 << 20
-# A fresh child's start (an interpreter importing transformers, the tokenizer built), apart
-# from the render's own bound.
-CHILD_START_S = 60.0
 # What a render may allocate beyond the child's footprint once it holds the tokenizer.
 DEFAULT_RENDER_BYTES = 1 << 30
 PROBE_CONVERSATION = [{"role": "system", "content": "You are helpful."},
                       {"role": "user", "content": "Hello"},
                       {"role": "assistant", "content": "Hi."},
                       {"role": "user", "content": "Bye"}]
+
+
+# A fresh child (an interpreter importing transformers, the tokenizer built) says it has
+# loaded and waits for renders; it has this long to get there, apart from the render's bound.
+_READY = ("ready", None)
+_STARTUP_TIMEOUT_S = 60.0
 
 
 class ChatTemplateError(RequestValidationError):
@@ -151,14 +154,28 @@ class ChatRenderer:
 
     def probe(self, source: str = "the model") -> None:
         """Render a small conversation; ModelLoadError when the template cannot within the
-        bounds (its own refusal of these messages is not a failure: the template decides)."""
+        bounds (its own refusal of these messages is not a failure: the template decides).
+        The probe's child ends afterwards: a server that never sees a chat request does not
+        keep ~75 MB resident for it (the first chat request starts one, about a second)."""
         try:
             self.render(PROBE_CONVERSATION, add_generation_prompt=True)
         except ChatTemplateError as exc:
-            if str(exc).startswith("cannot apply the chat template: "):
-                return
-            raise ModelLoadError(f"{source}: the chat template failed a probe render: "
-                                 f"{exc}") from exc
+            if not str(exc).startswith("cannot apply the chat template: "):
+                raise ModelLoadError(f"{source}: the chat template failed a probe render: "
+                                     f"{exc}") from exc
+        finally:
+            self.release_idle()
+
+    def release_idle(self) -> None:
+        """End the children that are not rendering now; later renders start fresh ones."""
+        idle: list[_Child | None] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                idle.append(self._idle.get_nowait())
+        for child in idle:
+            if child is not None:
+                self._kill(child)
+            self._idle.put(None)
 
     def _start(self) -> _Child:
         child = _Child(self._payload(), self.max_output_chars, self.render_bytes)
@@ -206,14 +223,13 @@ class _Child:
 
     def call(self, request: Any, timeout_s: float) -> tuple[str, Any]:
         with self._lock:
-            self.conn.send(request)
             if not self._warm:
-                # Loading the tokenizer (transformers' import) is not part of the render's
-                # time: the child says when it is ready, and the render's bound starts then.
-                if not self.conn.poll(CHILD_START_S):
+                # The child first imports transformers and loads the tokenizer (about a
+                # second): not part of the render's time, which stays exactly `timeout_s`.
+                if not self.conn.poll(_STARTUP_TIMEOUT_S) or self.conn.recv() != _READY:
                     raise TimeoutError
-                self.conn.recv()  # ("ready", None)
                 self._warm = True
+            self.conn.send(request)
             if not self.conn.poll(timeout_s):
                 raise TimeoutError
             result: tuple[str, Any] = self.conn.recv()
@@ -273,7 +289,7 @@ def _main(fd: int, max_output_chars: int, render_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (size + render_bytes, size + render_bytes))
     except (OSError, ValueError):
         pass  # no /proc or no limit to set: the time bound still holds
-    conn.send(("ready", None))
+    conn.send(_READY)
     while True:
         try:
             conversation, kwargs = conn.recv()

@@ -4,7 +4,7 @@
   `slotserve generate`).
 - `ThreadClient`: the step loop (core_loop.py) on a thread of this process. Cheap to start,
   but the core's Python work and the front's share one GIL.
-- `ProcessClient`: the step loop in a spawned child process, over a pipe, so the step loop
+- `ProcessClient`: the step loop in a child process (core_process.py), over a socket, so the step loop
   never waits for the front's event loop (vLLM's V1 split, for the same reason). A killed or
   failed child is noticed at once (the reader waits on the process sentinel too) and every
   waiting caller gets EngineDeadError.
@@ -18,7 +18,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import multiprocessing
 import multiprocessing.connection
 import threading
 from abc import ABC, abstractmethod
@@ -32,8 +31,8 @@ from slotserve.engine.core_loop import (
     EngineCoreLoop,
     EngineDead,
     LoopMessage,
-    run_engine_core_process,
 )
+from slotserve.engine.core_process import EngineProcess
 from slotserve.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -285,13 +284,8 @@ class ThreadClient(_BackgroundClient):
 class ProcessClient(_BackgroundClient):
     def __init__(self, args: EngineArgs, *, threads: int | None = None,
                  startup_timeout_s: float = 600.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=run_engine_core_process, name="slotserve-engine-core",
-                                 args=(child_conn, args, threads,
-                                       logging.getLogger().getEffectiveLevel()), daemon=True)
-        self._proc.start()
-        child_conn.close()
+        self._proc = EngineProcess(args, threads, logging.getLogger().getEffectiveLevel())
+        self._conn = self._proc.conn
         if not self._conn.poll(startup_timeout_s):
             self._proc.kill()
             raise EngineDeadError("the engine process did not start in time")
@@ -326,7 +320,9 @@ class ProcessClient(_BackgroundClient):
         error: BaseException | None = None
         while error is None:
             # The sentinel too: a killed child is noticed even if its pipe stayed open.
-            ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel])
+            ready = multiprocessing.connection.wait(
+                [self._conn] if self._proc.sentinel is None
+                else [self._conn, self._proc.sentinel])
             if self._conn not in ready:
                 break
             try:
@@ -353,4 +349,4 @@ class ProcessClient(_BackgroundClient):
                 self._proc.kill()
                 self._proc.join(5)
         self._reader.join(5)
-        self._conn.close()
+        self._proc.close()

@@ -22,6 +22,7 @@ from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
 from slotserve.errors import RequestValidationError
 from slotserve.lora.request import LoRARequest
+from slotserve.memory import trim_heap
 from slotserve.model_config import ModelConfig
 from slotserve.outputs import RequestOutput, RequestOutputKind
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -66,6 +67,9 @@ class LLMEngine:
                 model_config, self.config.lora_config.max_lora_rank)
         # The last failure inside the model's forward pass (its requests ended "error").
         self.last_error: BaseException | None = None
+        # The Processor's prompt bound walked the whole vocabulary (a 262k-entry dict for
+        # Gemma): ~50 MB that glibc keeps in the heap unless asked to give it back.
+        trim_heap()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs | None = None, *,

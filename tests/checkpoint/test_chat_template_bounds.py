@@ -101,6 +101,20 @@ def test_close_ends_a_stuck_render(tokenizer: Any) -> None:
     assert time.monotonic() - start < 30
 
 
+def test_probe_keeps_no_render_process(tokenizer: Any) -> None:
+    """The start-up probe's child ends after it (a server without chat requests keeps no
+    render process resident); the next render starts a fresh one and renders the same."""
+    r = ChatRenderer(tokenizer, timeout_s=30.0, workers=1)
+    try:
+        r.probe()
+        assert not any(child.alive() for child in r._children)
+        expected = tokenizer.apply_chat_template(HELLO, tokenize=False, chat_template=PLAIN)
+        assert r.render(HELLO, chat_template=PLAIN) == expected
+        assert sum(child.alive() for child in r._children) == 1
+    finally:
+        r.close()
+
+
 def test_invalid_jinja_refused_at_load(tmp_path: Path, tokenizer: Any) -> None:
     tokenizer.save_pretrained(tmp_path)
     original = tokenizer.chat_template

@@ -55,3 +55,37 @@ def test_killed_engine_process_fails_every_waiting_caller() -> None:
     # Measured: 0.35 s with two busy loops beside the suite on 2 cores.
     assert noticed < 3.0, noticed
     assert llm.errored
+
+
+PLUGIN = '''
+import sys
+
+from slotserve.engine.core import EngineCore
+
+
+def _modules_loaded(self, names):
+    main = getattr(sys.modules["__main__"], "__file__", None)
+    return sorted(n for n in names if n in sys.modules), main
+
+
+EngineCore.modules_loaded = _modules_loaded
+'''
+
+
+def test_engine_process_is_a_fresh_interpreter_on_the_callers_path(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child finds a plugin that only the caller's sys.path holds (as under spawn), and
+    runs without the caller's main module or the HTTP stack (spawn re-imported them: ~18 MB
+    of the served core, plus a resource-tracker process)."""
+    (tmp_path / "core_probe_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    llm = AsyncLLM.from_engine_args(engine_mode="process", threads=1, num_blocks=16,
+                                    max_num_seqs=1, max_model_len=64, check=True,
+                                    plugins="core_probe_plugin")
+    try:
+        loaded, main = asyncio.run(llm.call_utility(
+            "modules_loaded", ["core_probe_plugin", "fastapi", "uvicorn", "pytest"]))
+    finally:
+        llm.shutdown()
+    assert loaded == ["core_probe_plugin"]
+    assert main is None  # `python -c`, not the caller's script

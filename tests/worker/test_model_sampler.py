@@ -21,6 +21,7 @@ from slotserve.worker.sampler import (
     apply_repetition_penalty,
     apply_top_k_top_p,
     mix_seed,
+    row_argmax,
 )
 from tests.helpers import VOCAB, ManualScheduler, TinyModel
 
@@ -104,6 +105,22 @@ def test_greedy_rows_in_a_random_batch_take_argmax() -> None:
     meta = SamplingMetadata(temperature=torch.tensor([0.0, 1.0, 0.0, 5.0]), all_greedy=False)
     out = Sampler(seed=0)(logits, meta).sampled
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_row_argmax_is_torchs_argmax_on_ties_nan_and_strides() -> None:
+    """The numpy path picks what torch.argmax picks: the first of tied maxima, a NaN over
+    any number, index 0 of an all -inf row (a grammar that allows nothing), strided rows."""
+    x = logits_batch(6, seed=3)
+    x[0, 7] = x[0, 30] = 100.0
+    x[1, 4] = x[1, 9] = float("nan")
+    x[2] = float("-inf")
+    x[3, 12] = float("inf")
+    x[4, 20] = float("inf")
+    x[4, 41] = float("nan")
+    for m in (x, x[:, ::3], x.T.contiguous().T, torch.randn(32, 262_144)):
+        assert torch.equal(row_argmax(m), m.argmax(dim=-1))
+    half = x.to(torch.bfloat16)  # not float32: torch's own
+    assert torch.equal(row_argmax(half), half.argmax(dim=-1))
 
 
 def test_min_tokens_masks_stop_ids() -> None:

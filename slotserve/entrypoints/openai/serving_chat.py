@@ -132,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_format = detect_format(getattr(tokenizer, "chat_template", None),
                                          tool_call_parser, tokenizer.get_added_vocab())
         # A template that cannot render a small conversation within the bounds is refused
-        # now, not on each client's request (this also starts its warm render process).
+        # now, not on each client's request.
         engine.processor.chat_renderer.probe()
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
