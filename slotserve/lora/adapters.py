@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
+from slotserve.lora.gguf_adapter import read_gguf_weights
 from slotserve.lora.peft_format import AdapterChecker, module_shapes, read_adapter_spec
 from slotserve.lora.request import LoRAAdapterError, LoRARequest
 from slotserve.model_config import ModelConfig
@@ -33,6 +34,12 @@ class LoRAModel:
 def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAModel:
     """Check the folder (peft_format.read_adapter_spec), then read its tensors."""
     spec = read_adapter_spec(req, cfg, max_rank)
+    if spec.format == "gguf":
+        arrays = read_gguf_weights(spec.weights_file, cfg,
+                                   [(m.a_key, m.b_key) for m in spec.modules])
+        weights = {(m.layer, m.module): (torch.from_numpy(a), torch.from_numpy(b) * m.scaling)
+                   for m, (a, b) in zip(spec.modules, arrays, strict=True)}
+        return LoRAModel(req, spec.rank, weights)
     try:
         tensors = load_file(str(spec.weights_file))
     except (OSError, ValueError) as exc:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
+from slotserve.lora.gguf_adapter import read_gguf_halves
 from slotserve.lora.request import LoRAAdapterError, LoRARequest
 from slotserve.model_config import ModelConfig
 
@@ -55,6 +57,7 @@ class AdapterSpec:
     weights_file: Path
     rank: int
     modules: tuple[ModuleSpec, ...]
+    format: str = "peft"  # or "gguf": llama.cpp's adapter file (gguf_adapter.py)
 
 
 def pattern_key(patterns: dict[str, Any], name: str) -> str | None:
@@ -82,6 +85,8 @@ def read_adapter_spec(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> Adap
     def fail(why: str) -> LoRAAdapterError:
         return LoRAAdapterError(f"LoRA adapter {name!r} ({folder}): {why}")
 
+    if folder.suffix == ".gguf":
+        return _read_gguf_spec(req, cfg, max_rank, fail, folder)
     weights_file = folder / "adapter_model.safetensors"
     try:
         meta = json.loads((folder / "adapter_config.json").read_text())
@@ -131,7 +136,6 @@ def read_adapter_spec(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> Adap
         paths[(layer, module)] = path
     modules: list[ModuleSpec] = []
     for (layer, module), ab in sorted(halves.items()):
-        n_in, n_out = shapes[module]
         where = f"layer {layer} {module}"
         if "A" not in ab or "B" not in ab:
             raise fail(f"{where} lacks lora_{'A' if 'A' not in ab else 'B'}")
@@ -143,18 +147,47 @@ def read_adapter_spec(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> Adap
             raise fail(f"rank_pattern[{r_key!r}] must be an integer >= 1, got {rank!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, int | float):
             raise fail(f"alpha_pattern[{a_key!r}] must be a number, got {alpha!r}")
-        if rank > max_rank:
-            raise fail(f"rank {rank} exceeds max_lora_rank={max_rank} ({where})")
-        a_shape, b_shape = tuple(header[ab["A"]][0]), tuple(header[ab["B"]][0])
-        if a_shape != (rank, n_in) or b_shape != (n_out, rank):
-            origin = f" (rank_pattern[{r_key!r}])" if r_key is not None else ""
-            raise fail(f"{where}: A {a_shape} and B {b_shape} do not fit the base "
-                       f"({n_out} x {n_in}) at rank {rank}{origin}")
+        origin = f" (rank_pattern[{r_key!r}])" if r_key is not None else ""
+        _check_fit(fail, shapes, max_rank, where, module, rank,
+                   (tuple(header[ab["A"]][0]), tuple(header[ab["B"]][0])), origin)
         scaling = alpha / (math.sqrt(rank) if rslora else rank)
         modules.append(ModuleSpec(layer, module, rank, scaling, ab["A"], ab["B"]))
     if not modules:
         raise fail("it holds no LoRA weights")
     return AdapterSpec(req, weights_file, max(m.rank for m in modules), tuple(modules))
+
+
+def _check_fit(fail: Callable[[str], LoRAAdapterError], shapes: dict[str, tuple[int, int]],
+               max_rank: int, where: str, module: str, rank: int,
+               ab_shapes: tuple[tuple[int, ...], tuple[int, ...]], origin: str = "") -> None:
+    if rank > max_rank:
+        raise fail(f"rank {rank} exceeds max_lora_rank={max_rank} ({where})")
+    n_in, n_out = shapes[module]
+    a_shape, b_shape = ab_shapes
+    if a_shape != (rank, n_in) or b_shape != (n_out, rank):
+        raise fail(f"{where}: A {a_shape} and B {b_shape} do not fit the base "
+                   f"({n_out} x {n_in}) at rank {rank}{origin}")
+
+
+def _read_gguf_spec(req: LoRARequest, cfg: ModelConfig, max_rank: int,
+                    fail: Callable[[str], LoRAAdapterError], path: Path) -> AdapterSpec:
+    """llama.cpp's scale: alpha / rank, or 1 when the file's alpha is 0 or absent."""
+    alpha, halves = read_gguf_halves(path, cfg, fail)
+    shapes = module_shapes(cfg)
+    modules: list[ModuleSpec] = []
+    for (layer, module), ab in sorted(halves.items()):
+        where = f"layer {layer} {module}"
+        if layer >= cfg.num_hidden_layers:
+            raise fail(f"targets layer {layer}; the model has {cfg.num_hidden_layers}")
+        if "A" not in ab or "B" not in ab:
+            raise fail(f"{where} lacks lora_{'a' if 'A' not in ab else 'b'}")
+        rank = ab["A"][1][0] if len(ab["A"][1]) == 2 else 0
+        _check_fit(fail, shapes, max_rank, where, module, rank, (ab["A"][1], ab["B"][1]))
+        modules.append(ModuleSpec(layer, module, rank, alpha / rank if alpha else 1.0,
+                                  ab["A"][0], ab["B"][0]))
+    if not modules:
+        raise fail("it holds no LoRA weights")
+    return AdapterSpec(req, path, max(m.rank for m in modules), tuple(modules), "gguf")
 
 
 class AdapterChecker:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from slotserve import LoRARequest
@@ -105,3 +106,60 @@ print("torch imported:", "torch" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "refused: LoRA adapter 'bad'" in out and out.strip().endswith("torch imported: False"), out
+
+
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+              "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+              "down_proj": "ffn_down"}
+
+
+def write_gguf_lora(setup: LoRASetup, lora: LoRARequest, out: Path, arch: str,
+                    cfg: ModelConfig) -> None:
+    """The PEFT adapter as llama.cpp's convert_lora_to_gguf.py lays it out, written by gguf's
+    own writer: `blk.N.<name>.weight.lora_a/b`, alpha in adapter.lora.alpha, and for llama
+    the rows of q and k (B's rows) permuted for llama.cpp's pairwise rotation."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    meta = json.loads((Path(lora.lora_path) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(lora.lora_path) / "adapter_model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(meta["lora_alpha"]))
+    for key, data in sorted(tensors.items()):
+        parts = key.split(".")
+        layer, module, half = parts[parts.index("layers") + 1], parts[-3], parts[-2]
+        if half == "lora_B" and arch == "llama" and module in ("q_proj", "k_proj"):
+            heads = cfg.num_attention_heads if module == "q_proj" else cfg.num_key_value_heads
+            rows = data.shape[0]
+            data = data.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(rows, -1)
+        name = f"blk.{layer}.{GGUF_NAMES[module]}.weight.{half.lower()}"
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_lora_equals_its_peft_adapter(lora_setup: LoRASetup, tmp_path: Path) -> None:
+    cfg = ModelConfig.from_pretrained(lora_setup.path)
+    arch = {"llama": "llama", "qwen3": "qwen3"}[cfg.model_type]
+    peft_lora = lora_setup.loras[0]  # rank 8 on all seven projections
+    write_gguf_lora(lora_setup, peft_lora, tmp_path / "a.gguf", arch, cfg)
+    gguf_lora = LoRARequest("from-gguf", 40, str(tmp_path / "a.gguf"))
+    spec = read_adapter_spec(gguf_lora, cfg, 16)
+    assert spec.format == "gguf" and spec.rank == 8 and len(spec.modules) == 7 * 2
+    prompts = [[7, 19, 88, 140, 3], [250, 4, 61], [33, 34, 35, 36, 37, 38]]
+    llm = make_llm(lora_setup)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], GREEDY, use_tqdm=False,
+                        lora_request=[gguf_lora] * 3 + [peft_lora] * 3)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[:3] == got[3:] == [lora_setup.reference(p, peft_lora, N) for p in prompts]
+    # A file for another architecture, or not an adapter, is refused naming it.
+    write_gguf_lora(lora_setup, peft_lora, tmp_path / "b.gguf",
+                    "gemma3" if arch != "gemma3" else "llama", cfg)
+    with pytest.raises(LoRAAdapterError, match="'b'.*general.architecture"):
+        read_adapter_spec(LoRARequest("b", 41, str(tmp_path / "b.gguf")), cfg, 16)
+    with pytest.raises(LoRAAdapterError, match="'c'.*max_lora_rank=4"):
+        read_adapter_spec(LoRARequest("c", 42, str(tmp_path / "a.gguf")), cfg, 4)
