@@ -4,15 +4,15 @@
 that adds the LoRA delta of every token's adapter to the base output: the base weights stay
 as they are (quantized or not), and a model without LoRA is never wrapped (zero cost).
 
-Each wrapped layer holds every slot's weights in two fixed tensors padded to max_lora_rank R
-(punica's layout): A [in, slots * shards * R] (slot-major: a slot's fused q/k/v or gate/up A
-are adjacent columns, so one product shrinks all its shards) and, per shard, B [slots * R,
-out]. The runner orders a step's requests by slot (within decodes and within prefills), so
+Each wrapped layer holds every slot's weights in fixed tensors padded to max_lora_rank R
+(punica's layout): A [slots, in, shards * R] (a slot's fused q/k/v or gate/up A side by side,
+so one product shrinks all its shards) and B [slots, shards * R, out], block-diagonal by
+shard. The runner orders a step's requests by slot (within decodes and within prefills), so
 each adapter's tokens are contiguous runs. Short runs (decodes, small chunks) go together
-through a few batch-wide ops whatever the number of adapters (punica's bgmv): one shrink of
-the rows against the A of the slot range they use, a one-hot mask keeping each row's own
-slot, one expand per shard. A long run (a prefill chunk) shrinks and expands against its own
-slot's views only (sgmv's segment), so it pays no other slot's flops. Base rows skip both.
+through four ops whatever the number of adapters (punica's bgmv): gather the rows by slot,
+one batched shrink and one batched expand against the slots in use, one index_add back. A
+long run (a prefill chunk) shrinks and expands against its own slot only (sgmv's segment).
+Base rows skip both.
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ LONG_RUN = 48
 class LoRABatch:
     """This step's tokens by adapter slot, set once per step for every layer.
 
-    `dense`: (first row, end, first slot, slot count, mask [rows, slots, 1]) for the short
-    runs before the first long one, or None; `runs`: (slot, first row, end) of the others."""
+    `dense`: the short runs before the first long one, gathered by slot: (row index [slots *
+    rows], valid [slots, rows, 1] or None when no slot's group is padded, the slots (first,
+    count) when consecutive or their index tensor); `runs`: (slot, first row, end) of the
+    others."""
 
     __slots__ = ("dense", "runs")
 
     def __init__(self) -> None:
-        self.dense: tuple[int, int, int, int, torch.Tensor] | None = None
+        self.dense: tuple[torch.Tensor, torch.Tensor | None,
+                          tuple[int, int] | torch.Tensor] | None = None
         self.runs: list[tuple[int, int, int]] = []
 
     def set_tokens(self, token_slots: np.ndarray, device: torch.device,
@@ -64,12 +67,22 @@ class LoRABatch:
             n_short += 1
         self.dense = None
         if n_short > 1:
-            short = runs[:n_short]
-            t0, t1 = short[0][1], short[-1][2]
-            s0, s1 = min(s for s, _, _ in short), max(s for s, _, _ in short)
-            onehot = token_slots[t0:t1, None] == np.arange(s0, s1 + 1)[None, :]
-            mask = torch.from_numpy(onehot.astype(np.float32)).to(device, dtype)
-            self.dense = (t0, t1, s0, s1 - s0 + 1, mask.unsqueeze(2))
+            by_slot: dict[int, list[int]] = {}
+            for s, a, b in runs[:n_short]:
+                by_slot.setdefault(s, []).extend(range(a, b))
+            used = sorted(by_slot)
+            width = max(len(rows) for rows in by_slot.values())
+            index = np.zeros((len(used), width), dtype=np.int64)
+            valid = np.zeros((len(used), width, 1), dtype=np.float32)
+            for i, s in enumerate(used):
+                index[i, :len(by_slot[s])] = by_slot[s]
+                valid[i, :len(by_slot[s])] = 1.0
+            pick: tuple[int, int] | torch.Tensor = (
+                (used[0], len(used)) if used[-1] - used[0] == len(used) - 1
+                else torch.tensor(used, device=device))
+            self.dense = (torch.from_numpy(index.reshape(-1)).to(device),
+                          None if valid.all() else torch.from_numpy(valid).to(device, dtype),
+                          pick)
             runs = runs[n_short:]
         self.runs = runs
 
@@ -80,8 +93,7 @@ class LoRALinear(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.base, self.layer, self.batch = base, layer, batch
-        self.rank, n_shards = cfg.max_lora_rank, len(modules)
-        self.modules_ = modules
+        self.rank, self.modules_ = cfg.max_lora_rank, modules
         # (first output column, end) of each shard
         self.columns: list[tuple[int, int]] = []
         start = 0
@@ -89,54 +101,45 @@ class LoRALinear(nn.Module):
             self.columns.append((start, start + shapes[name][1]))
             start += shapes[name][1]
         r = self.rank
-        self.lora_a = torch.zeros(shapes[modules[0]][0], cfg.max_loras * n_shards * r,
+        # A [slots, in, shards * R]; B [slots, shards * R, out], block-diagonal by shard.
+        self.lora_a = torch.zeros(cfg.max_loras, shapes[modules[0]][0], len(modules) * r,
                                   dtype=dtype, device=device)
-        self.lora_b = [torch.zeros(cfg.max_loras * r, shapes[name][1], dtype=dtype,
-                                   device=device) for name in modules]
+        self.lora_b = torch.zeros(cfg.max_loras, len(modules) * r, start, dtype=dtype,
+                                  device=device)
         # Slots whose adapter targets this layer (the others add nothing).
         self.targeted = [False] * cfg.max_loras
 
     def set_slot(self, slot: int, model: LoRAModel | None) -> None:
-        r, n_shards = self.rank, len(self.modules_)
-        a_slot = self.lora_a[:, slot * n_shards * r:(slot + 1) * n_shards * r]
+        r = self.rank
+        a_slot, b_slot = self.lora_a[slot], self.lora_b[slot]
         a_slot.zero_()
+        b_slot.zero_()
         self.targeted[slot] = False
-        for k, name in enumerate(self.modules_):
-            b_slot = self.lora_b[k][slot * r:(slot + 1) * r]
-            b_slot.zero_()
+        for k, (name, (c0, c1)) in enumerate(zip(self.modules_, self.columns, strict=True)):
             ab = model.weights.get((self.layer, name)) if model is not None else None
             if ab is not None:
                 a, b = ab  # [rank, in], [out, rank]; zero-padded to R
                 self.targeted[slot] = True
                 a_slot[:, k * r:k * r + a.shape[0]].copy_(a.t())
-                b_slot[:b.shape[1]].copy_(b.t())
+                b_slot[k * r:k * r + b.shape[1], c0:c1].copy_(b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        r, n_shards = self.rank, len(self.modules_)
         dense = self.batch.dense
         if dense is not None:
-            t0, t1, s0, n, mask = dense
-            w = n_shards * r
-            xa = x[t0:t1] @ self.lora_a[:, s0 * w:(s0 + n) * w]
-            if n_shards == 1:
-                xm = xa.view(t1 - t0, n, r).mul_(mask).view(t1 - t0, n * r)
-                y[t0:t1].addmm_(xm, self.lora_b[0][s0 * r:(s0 + n) * r])
+            index, valid, pick = dense
+            if isinstance(pick, tuple):
+                a, b = self.lora_a[pick[0]:pick[0] + pick[1]], self.lora_b[pick[0]:pick[0] + pick[1]]
             else:
-                # [rows, slots, shards, R] -> [shards, rows, slots * R]: one tiny copy, then
-                # each shard's expand reads contiguous rows.
-                xm = (xa.view(t1 - t0, n, n_shards, r) * mask.unsqueeze(2)).permute(2, 0, 1, 3)
-                xm = xm.reshape(n_shards, t1 - t0, n * r)
-                for k, (c0, c1) in enumerate(self.columns):
-                    y[t0:t1, c0:c1].addmm_(xm[k], self.lora_b[k][s0 * r:(s0 + n) * r])
+                a, b = self.lora_a.index_select(0, pick), self.lora_b.index_select(0, pick)
+            xg = x.index_select(0, index).view(a.shape[0], -1, x.shape[1])
+            if valid is not None:  # padding rows contribute nothing
+                xg = xg * valid
+            delta = torch.bmm(torch.bmm(xg, a), b)
+            y.index_add_(0, index, delta.view(-1, y.shape[1]))
         for slot, t0, t1 in self.batch.runs:
-            if not self.targeted[slot]:
-                continue
-            w = n_shards * r
-            xa = x[t0:t1] @ self.lora_a[:, slot * w:(slot + 1) * w]
-            for k, (c0, c1) in enumerate(self.columns):
-                y[t0:t1, c0:c1].addmm_(xa[:, k * r:(k + 1) * r],
-                                       self.lora_b[k][slot * r:(slot + 1) * r])
+            if self.targeted[slot]:
+                y[t0:t1].addmm_(x[t0:t1] @ self.lora_a[slot], self.lora_b[slot])
         return y
 
 
