@@ -71,18 +71,24 @@ def bench(name: str, path: str, vocab: int, n: int, lens: tuple[int, int], round
         llm.generate(inputs[:8], SamplingParams(temperature=0.0, max_tokens=4),
                      use_tqdm=False, lora_request=lora[:8] if lora else None)
     tok_s: dict[str, list[float]] = {"base": [], "mixed": []}
+    cpu_tok_s: dict[str, list[float]] = {"base": [], "mixed": []}
     for r in range(rounds):
         for key in (("base", "mixed") if r % 2 == 0 else ("mixed", "base")):
             llm, lora = engines[key]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
-            wall = time.perf_counter() - start
-            tok_s[key].append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            tok_s[key].append(tokens / wall)
+            cpu_tok_s[key].append(tokens / cpu)
     ratios = [m / b for m, b in zip(tok_s["mixed"], tok_s["base"], strict=True)]
     ratio = statistics.median(ratios)
+    # Tokens per CPU second of this process: steadier than wall time on a loaded machine.
+    cpu_ratios = [m / b for m, b in zip(cpu_tok_s["mixed"], cpu_tok_s["base"], strict=True)]
     print(f"{name}: base {statistics.median(tok_s['base']):.1f} tok/s, 4 adapters mixed "
           f"{statistics.median(tok_s['mixed']):.1f} tok/s; mixed/base {ratio:.2f}x (median of "
-          f"{rounds} rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+          f"{rounds} rounds: {', '.join(f'{x:.2f}' for x in ratios)}); per CPU second "
+          f"{statistics.median(cpu_ratios):.2f}x ({', '.join(f'{x:.2f}' for x in cpu_ratios)})")
     return ratio
 
 

@@ -61,7 +61,7 @@ class LLMEngine:
             priority_policy=self.config.scheduler_config.policy == "priority")
         self.output_processor = OutputProcessor(backend_tokenizer(tokenizer))
         if self.config.lora_config is not None:
-            from slotserve.lora.adapters import AdapterChecker
+            from slotserve.lora.peft_format import AdapterChecker
 
             self.processor.lora_checker = AdapterChecker(
                 model_config, self.config.lora_config.max_lora_rank)

@@ -1,37 +1,25 @@
-"""PEFT adapter folders read into host memory, checked against the base model.
+"""PEFT adapters read into host memory for the worker's slots.
 
-A folder holds adapter_config.json (r, lora_alpha, use_rslora, target_modules) and
-adapter_model.safetensors with `...layers.{i}.{self_attn|mlp}.{module}.lora_A.weight` [r, in]
-and `lora_B.weight` [out, r]. B is stored pre-scaled (alpha / r, or alpha / sqrt(r) for
-rsLoRA), so applying an adapter is two matmuls. `AdapterCache` keeps the `max_cpu_loras`
-most recently used adapters read.
+peft_format.py checks a folder (config and safetensors header, no torch); here its tensors
+are read, B pre-scaled by its module's alpha / r (alpha / sqrt(r) with rsLoRA), so applying
+an adapter is two matmuls. `AdapterCache` keeps the `max_cpu_loras` most recently used.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from slotserve.lora.gguf_adapter import read_gguf_weights
+from slotserve.lora.peft_format import AdapterChecker, module_shapes, read_adapter_spec
 from slotserve.lora.request import LoRAAdapterError, LoRARequest
 from slotserve.model_config import ModelConfig
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of every module an adapter may target."""
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+# Re-exported: the front imports the checker from peft_format (no torch).
+__all__ = ["AdapterCache", "AdapterChecker", "LoRAModel", "load_adapter", "module_shapes"]
 
 
 @dataclass(slots=True)
@@ -44,76 +32,23 @@ class LoRAModel:
 
 
 def load_adapter(req: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAModel:
-    name = req.lora_name
-    folder = Path(req.lora_path).expanduser()
-
-    def fail(why: str) -> LoRAAdapterError:
-        return LoRAAdapterError(f"LoRA adapter {name!r} ({folder}): {why}")
-
+    """Check the folder (peft_format.read_adapter_spec), then read its tensors."""
+    spec = read_adapter_spec(req, cfg, max_rank)
+    if spec.format == "gguf":
+        arrays = read_gguf_weights(spec.weights_file, cfg,
+                                   [(m.a_key, m.b_key) for m in spec.modules])
+        weights = {(m.layer, m.module): (torch.from_numpy(a), torch.from_numpy(b) * m.scaling)
+                   for m, (a, b) in zip(spec.modules, arrays, strict=True)}
+        return LoRAModel(req, spec.rank, weights)
     try:
-        meta = json.loads((folder / "adapter_config.json").read_text())
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        tensors = load_file(str(spec.weights_file))
     except (OSError, ValueError) as exc:
-        raise fail(f"cannot read it: {exc}") from exc
-    if not isinstance(meta, dict):
-        raise fail("adapter_config.json is not an object")
-    rank, alpha = meta.get("r"), meta.get("lora_alpha", meta.get("r"))
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
-        raise fail("adapter_config.json needs an integer r >= 1 and a number lora_alpha")
-    if rank > max_rank:
-        raise fail(f"rank {rank} exceeds max_lora_rank={max_rank}")
-    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
-        if meta.get(key):
-            raise fail(f"{key} is not supported")
-    if meta.get("bias", "none") != "none" or meta.get("fan_in_fan_out"):
-        raise fail("adapters with bias or fan_in_fan_out are not supported")
-    scaling = alpha / (math.sqrt(rank) if meta.get("use_rslora") else rank)
-    shapes = module_shapes(cfg)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = _KEY.search(key)
-        if m is None:
-            raise fail(f"unexpected tensor {key!r}")
-        layer, module, half = int(m.group(1)), m.group(2), m.group(3)
-        if module not in shapes:
-            raise fail(f"targets {module!r}, which the model lacks (it has "
-                       f"{', '.join(TARGET_MODULES)})")
-        if layer >= cfg.num_hidden_layers:
-            raise fail(f"targets layer {layer}; the model has {cfg.num_hidden_layers}")
-        halves.setdefault((layer, module), {})[half] = t
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    for (layer, module), ab in sorted(halves.items()):
-        n_in, n_out = shapes[module]
-        a, b = ab.get("A"), ab.get("B")
-        where = f"layer {layer} {module}"
-        if a is None or b is None:
-            raise fail(f"{where} lacks lora_{'A' if a is None else 'B'}")
-        if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
-            raise fail(f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the "
-                       f"base ({n_out} x {n_in}) at rank {rank}")
-        weights[(layer, module)] = (a.float(), b.float() * scaling)
-    if not weights:
-        raise fail("it holds no LoRA weights")
-    return LoRAModel(req, rank, weights)
-
-
-class AdapterChecker:
-    """The front's check of a request's adapter: read once per adapter, and one id never
-    names two adapters (the engine keys slots and prefix-cache hashes by the id)."""
-
-    def __init__(self, cfg: ModelConfig, max_rank: int) -> None:
-        self.cfg, self.max_rank = cfg, max_rank
-        self.checked: dict[int, LoRARequest] = {}
-
-    def __call__(self, req: LoRARequest) -> None:
-        known = self.checked.get(req.lora_int_id)
-        if known == req:
-            return
-        if known is not None:
-            raise LoRAAdapterError(f"lora_int_id {req.lora_int_id} already names adapter "
-                                   f"{known.lora_name!r} ({known.lora_path})")
-        load_adapter(req, self.cfg, self.max_rank)
-        self.checked[req.lora_int_id] = req
+        raise LoRAAdapterError(f"LoRA adapter {req.lora_name!r} ({req.lora_path}): cannot "
+                               f"read it: {exc}") from exc
+    weights = {(m.layer, m.module): (tensors[m.a_key].float(),
+                                     tensors[m.b_key].float() * m.scaling)
+               for m in spec.modules}
+    return LoRAModel(req, spec.rank, weights)
 
 
 class AdapterCache:
