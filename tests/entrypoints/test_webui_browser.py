@@ -116,18 +116,22 @@ def _reply_done(driver: Any) -> Any:
                  and _one(d, "#send").is_enabled(), "the reply to end")
 
 
-def _background_load(url: str) -> list[threading.Thread]:
-    """Two other clients' requests, so the view has more than the page's own to show."""
+def _background_load(url: str) -> tuple[list[threading.Thread], threading.Event]:
+    """Two other clients' requests, so the view has more than the page's own to show. Each
+    client sends one request after another until told to stop: a faster engine must not end
+    their load before the page has shown it."""
+    stop = threading.Event()
 
     def complete(user: str) -> None:
-        httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": MODEL_NAME, "prompt": "Now is the winter of our discontent", "n": 2,
-            "max_tokens": 480, "ignore_eos": True, "user": user})
+        while not stop.is_set():
+            httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": MODEL_NAME, "prompt": "Now is the winter of our discontent", "n": 2,
+                "max_tokens": 480, "ignore_eos": True, "user": user})
 
     threads = [threading.Thread(target=complete, args=(u,)) for u in ("alice", "bob")]
     for t in threads:
         t.start()
-    return threads
+    return threads, stop
 
 
 def test_chat_streams_and_the_engine_view_follows(browser: Any, drained: Served,
@@ -140,7 +144,7 @@ def test_chat_streams_and_the_engine_view_follows(browser: Any, drained: Served,
     assert not _severe_logs(d)
 
     # Other clients first, so the chart has a few seconds of history in the picture.
-    others = _background_load(served.url)
+    others, stop_others = _background_load(served.url)
     _one(d, "#tab-engine").click()
     _wait(d, lambda d: d.execute_script("return samples.filter(s => s.toks > 0).length") >= 2,
           "the chart's first samples")
@@ -164,9 +168,11 @@ def test_chat_streams_and_the_engine_view_follows(browser: Any, drained: Served,
     _wait(d, lambda d: _one(d, "#clients tbody").text.count("user:") == 2,
           "the other clients' admission rows")
     _shot(d, tmp_path, "webui-engine.png")
+    stop_others.set()
     _reply_done(d)
     for t in others:
         t.join(60)
+        assert not t.is_alive()
     _wait(d, lambda d: all(s[1] == "free" for s in _slots(d)), "every slot free after it")
     assert "last: chatcmpl-" in _slots(d)[mine[0][0]][2]
     assert int(_one(d, "#m-slots").text.split(" / ")[0]) == 0
