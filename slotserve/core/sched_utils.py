@@ -79,3 +79,26 @@ def make_stats(sched: Scheduler) -> SchedulerStats:
         num_waiting_for_grammar=len(sched.waiting_for_grammar),
         **(sched.spec.stats_fields() if sched.spec is not None else {}),
     )
+
+
+def append_generated(request: Request, generated: list[int],
+                     max_model_len: int) -> tuple[int, bool, str | None, str | None]:
+    """Append one step's sampled tokens until one ends the request. Returns how many were
+    appended, whether it stopped, and for a grammar failure its message and refusal code."""
+    sor = request.structured_output_request
+    n_new = 0
+    for t in generated:
+        request.append_output_token_ids(t)
+        n_new += 1
+        if sor is not None and not sor.grammar.accept_tokens([t]):
+            # The bitmask allowed only what the grammar accepts, so this is the grammar
+            # library failing (a resource limit): the output would break; or the engine
+            # refused the grammar (its masks' cost): the client's fault.
+            request.status = RequestStatus.FINISHED_ERROR
+            refusal = sor.grammar.refusal
+            message = (sor.grammar.error if refusal is not None
+                       else f"structured output failed: {sor.grammar.error}")
+            return n_new, True, message, refusal
+        if check_stop(request, max_model_len):
+            return n_new, True, None, None
+    return n_new, False, None, None

@@ -13,17 +13,16 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.block_pool import KVCacheBlock
 from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.lora_slots import LoRASlotLedger
+from slotserve.core.output_builder import build_output
 from slotserve.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
 )
 from slotserve.core.request import CHECK_REQUESTS, Request, RequestStatus, check_new_request
 from slotserve.core.request_queue import create_request_queue
-from slotserve.core.sched_utils import SchedulerStats, check_stop, make_stats
+from slotserve.core.sched_utils import SchedulerStats, append_generated, make_stats
 from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
 from slotserve.spec_decode.scheduling import SpecDecodeScheduler
@@ -296,7 +295,7 @@ class Scheduler:
                 self._reclaim_kv(max(holders, key=_priority_key))
                 budget, blocked = self._schedule_waiting(budget, num_scheduled, scheduled_new)
 
-        return self._build_output(scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
+        return build_output(self, scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
     def _end_outgrown(self, r: Request) -> None:
         self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED, "the sequence outgrew "
@@ -386,44 +385,6 @@ class Scheduler:
             waiting.prepend_request(r)
         return budget, kv_blocked
 
-    def _build_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
-                      num_scheduled: dict[str, int],
-                      new_blocks_of: dict[str, list[KVCacheBlock]]) -> SchedulerOutput:
-        get_block_ids = self.kv_cache_manager.get_block_ids
-        new_data = [
-            NewRequestData(r.request_id, list(r.prompt_token_ids), list(r.all_token_ids),
-                           get_block_ids(r.request_id), r.num_computed_tokens, r.sampling_params,
-                           r.num_output_tokens, r.eos_token_id,
-                           self.lora_slots.slot(r.request_id))
-            for r in scheduled_new
-        ]
-        cached = CachedRequestData(
-            req_ids=[r.request_id for r in scheduled_running],
-            new_block_ids=[[b.block_id for b in nb] if (nb := new_blocks_of[r.request_id])
-                           else None for r in scheduled_running],
-            num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
-        )
-        out = SchedulerOutput(
-            scheduled_spec_decode_tokens=(self.spec.take_scheduled(num_scheduled, self.now)
-                                          if self.spec is not None else {}),
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=self.preempted_req_ids,
-            lora_loads=self.lora_slots.take_loads(),
-        )
-        self.slot_ledger.commit([r.request_id for r in scheduled_new])
-        self.finished_req_ids = set()
-        self.preempted_req_ids = set()
-        # Optimistic advance: the tokens count as computed once they are handed out.
-        for r in scheduled_running:
-            r.num_computed_tokens += num_scheduled[r.request_id]
-        for r in scheduled_new:
-            r.num_computed_tokens += num_scheduled[r.request_id]
-        return out
-
     # ------------------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput,
@@ -456,26 +417,7 @@ class Scheduler:
             generated = sampled[i]
             if not generated:
                 continue  # a partial prefill samples nothing
-            stopped = False
-            n_new = 0
-            sor = r.structured_output_request
-            message = refusal = None
-            for t in generated:
-                r.append_output_token_ids(t)
-                n_new += 1
-                if sor is not None and not sor.grammar.accept_tokens([t]):
-                    # The bitmask allowed only what the grammar accepts, so this is the
-                    # grammar library failing (a resource limit): the output would break;
-                    # or the engine refused the grammar (its masks' cost): the client's fault.
-                    r.status = RequestStatus.FINISHED_ERROR
-                    refusal = sor.grammar.refusal
-                    message = (sor.grammar.error if refusal is not None
-                               else f"structured output failed: {sor.grammar.error}")
-                    stopped = True
-                    break
-                if check_stop(r, max_model_len):
-                    stopped = True
-                    break
+            n_new, stopped, message, refusal = append_generated(r, generated, max_model_len)
             if self.spec is not None:  # counts acceptance, rolls rejected drafts back
                 self.spec.on_output(r, scheduler_output, generated, status == RUNNING)
             new_tokens = generated if n_new == len(generated) else generated[:n_new]

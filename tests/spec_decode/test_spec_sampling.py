@@ -32,9 +32,11 @@ def prompt(tiny_llama: SimpleNamespace) -> list[int]:
 
 
 def sample(path: str, prompt: list[int], spec: dict[str, Any] | None,
-           temperature: float = 1.0, seed: int | None = None) -> tuple[list[list[int]], Any]:
+           temperature: float = 1.0, seed: int | None = None,
+           engine_seed: int | None = None) -> tuple[list[list[int]], Any]:
     llm = LLM(path, dtype="float32", device="cpu", check=True, num_blocks=600,
-              max_num_seqs=100, speculative_config=spec, seed=seed)
+              max_num_seqs=100, speculative_config=spec,
+              seed=seed if engine_seed is None else engine_seed)
     params = [SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True,
                              seed=None if seed is None else 1000 + i) for i in range(N_REQ)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * N_REQ, params)
@@ -66,12 +68,15 @@ def chi2_rejects(a: list[int], b: list[int]) -> bool:
 
 
 def test_distribution_kept(tiny_llama: SimpleNamespace, prompt: list[int]) -> None:
-    plain, _ = sample(tiny_llama.path, prompt, None)
-    spec, stats = sample(tiny_llama.path, prompt, SPEC)
+    # Unseeded requests, but a fixed engine seed per run (a different one each, so the two
+    # samples are independent): the verdict repeats from run to run instead of failing at
+    # the test's 0.1% rate per position by chance.
+    plain, _ = sample(tiny_llama.path, prompt, None, engine_seed=11)
+    spec, stats = sample(tiny_llama.path, prompt, SPEC, engine_seed=12)
     assert stats.spec_decode_num_accepted_tokens > N_REQ // 2  # speculation did happen
     for pos in range(NEW):
         assert not chi2_rejects([o[pos] for o in plain], [o[pos] for o in spec]), pos
-    hot, _ = sample(tiny_llama.path, prompt, None, temperature=1.5)
+    hot, _ = sample(tiny_llama.path, prompt, None, temperature=1.5, engine_seed=13)
     assert any(chi2_rejects([o[pos] for o in plain], [o[pos] for o in hot])
                for pos in range(NEW))
 
