@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from slotserve.core.outputs import GrammarOutput
 from slotserve.errors import InvariantViolation
 from slotserve.worker.input_batch import InputBatch
+from slotserve.worker.sampler import SamplingMetadata, grammar_bias
 
 
 def write_drafts(b: InputBatch, req_ids: list[str], slots: np.ndarray,
@@ -52,3 +55,33 @@ def verify_drafts(b: InputBatch, slots: np.ndarray, counts: np.ndarray,
         kept[i] = a + 1
         start += c
     return kept
+
+
+def grammar_metadata(meta: SamplingMetadata, grammar_output: GrammarOutput, ids: list[str],
+                     sample_ids: list[str], vocab_size: int, device: torch.device) -> None:
+    """The bias rows of this run's requests (a step isolating a failure runs them one by one);
+    every one of them must sample. `sample_ids`: the request of each sampled row; a request
+    verifying drafts has a row per verified position, in order, as its bitmask has."""
+    row_of: dict[str, list[int]] = {}
+    for row, rid in enumerate(sample_ids):
+        row_of.setdefault(rid, []).append(row)
+    in_run = set(ids)
+    rows: list[int] = []
+    picks: list[int] = []
+    for k, rid in enumerate(grammar_output.structured_output_request_ids):
+        if rid not in in_run:
+            continue
+        free = row_of.get(rid)
+        if not free:
+            raise InvariantViolation(f"request {rid!r} has a grammar bitmask but does not "
+                                     "sample in this step")
+        rows.append(free.pop(0))
+        picks.append(k)
+    bitmask = grammar_output.ready_bitmask()
+    if not rows:
+        return
+    if len(picks) != len(bitmask):
+        bitmask = bitmask[picks]
+    if rows != list(range(len(sample_ids))):
+        meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+    meta.grammar_bias = grammar_bias(bitmask, vocab_size, device)

@@ -31,7 +31,7 @@ from slotserve.models.attention import AttentionMetadataMap, BatchLayout
 from slotserve.models.kv_storage import resolve_kv_cache_dtype
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.loader import load_model, parse_dtype
-from slotserve.worker.draft_rows import verify_drafts, write_drafts
+from slotserve.worker.draft_rows import grammar_metadata, verify_drafts, write_drafts
 from slotserve.worker.input_batch import InputBatch
 from slotserve.worker.kv_cache import allocate_kv_cache
 from slotserve.worker.memory_usage import MemoryUsage
@@ -39,7 +39,6 @@ from slotserve.worker.sampler import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
-    grammar_bias,
     mix_seed,
 )
 from slotserve.worker.slots import RequestSlots
@@ -296,8 +295,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
         if grammar_output is not None:
             # Waits for the bitmask here, after the forward pass it was filled beside.
-            self._grammar_metadata(sampling_meta, grammar_output, ids,
-                                   [req_ids[r] for r in np.repeat(sample_rows, counts)])
+            grammar_metadata(sampling_meta, grammar_output, ids,
+                             [req_ids[r] for r in np.repeat(sample_rows, counts)],
+                             self.vocab_size, self.device)
         sampled_out = self.sampler(logits, sampling_meta)
         sampled = sampled_out.sampled.cpu().numpy()
         self.last_forward_s += time.perf_counter() - start
@@ -394,35 +394,6 @@ class ModelRunner:
         if (nlp >= 0).any():
             meta.max_num_logprobs = int(nlp.max())
         return meta
-
-    def _grammar_metadata(self, meta: SamplingMetadata, grammar_output: GrammarOutput,
-                          ids: list[str], sample_ids: list[str]) -> None:
-        """The bias rows of this run's requests (a step isolating a failure runs them one by
-        one); every one of them must sample."""
-        # A request verifying drafts has a row per sampled position, in order, in both.
-        row_of: dict[str, list[int]] = {}
-        for row, rid in enumerate(sample_ids):
-            row_of.setdefault(rid, []).append(row)
-        in_run = set(ids)
-        rows: list[int] = []
-        picks: list[int] = []
-        for k, rid in enumerate(grammar_output.structured_output_request_ids):
-            if rid not in in_run:
-                continue
-            free = row_of.get(rid)
-            if not free:
-                raise InvariantViolation(f"request {rid!r} has a grammar bitmask but does not "
-                                         "sample in this step")
-            rows.append(free.pop(0))
-            picks.append(k)
-        bitmask = grammar_output.ready_bitmask()
-        if not rows:
-            return
-        if len(picks) != len(bitmask):
-            bitmask = bitmask[picks]
-        if rows != list(range(len(sample_ids))):
-            meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        meta.grammar_bias = grammar_bias(bitmask, self.vocab_size, self.device)
 
     def _make_output(self, req_ids: list[str], sample_rows: np.ndarray, sampled: np.ndarray,
                      sample_slots: np.ndarray, out: SamplerOutput,
