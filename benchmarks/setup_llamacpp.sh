@@ -32,6 +32,27 @@ for tool in cmake cc c++; do
     command -v "$tool" >/dev/null || { echo "setup_llamacpp.sh needs $tool" >&2; exit 2; }
 done
 PYTHON="${PYTHON:-python3}"
+# Whether this process may use AMX: ask Linux for the tile state (arch_prctl
+# ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) and run one tile instruction.
+amx_usable() {
+    local t; t="$(mktemp -d)"
+    cat > "$t/amx.c" <<'C'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18)) return 1;
+    unsigned char cfg[64]; memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;
+    _tile_loadconfig(cfg); _tile_zero(0); _tile_release();
+    return 0;
+}
+C
+    cc -O1 -mamx-tile -o "$t/amx" "$t/amx.c" 2>/dev/null && ("$t/amx") >/dev/null 2>&1
+    local rc=$?; rm -rf "$t"; return $rc
+}
+
 SDIST="$DIR/llama_cpp_python-$VERSION.tar.gz"
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BUILD="$DIR/build"
@@ -47,8 +68,21 @@ fi
 
 # CPU build tuned for this machine (GGML_NATIVE: AVX-512 / VNNI where present), no OpenMP:
 # the benchmark pins llama.cpp to the same thread count as slotserve.
-if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-    cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+# A CPU can list AMX in its flags while the kernel or hypervisor refuses its tile state (seen
+# here: llama.cpp's AMX kernels die with SIGILL). Then build for the same CPU without AMX:
+# GGML_NATIVE off, every other extension this CPU has switched on by name.
+ISA_FLAGS=(-DGGML_NATIVE=ON)
+if grep -qw amx_int8 /proc/cpuinfo && ! amx_usable; then
+    echo "this CPU lists AMX but cannot run it: building llama.cpp without AMX"
+    ISA_FLAGS=(-DGGML_NATIVE=OFF)
+    for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+             avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        grep -qw "${f%%:*}" /proc/cpuinfo && ISA_FLAGS+=("-DGGML_${f##*:}=ON")
+    done
+fi
+if [ ! -f "$BUILD/CMakeCache.txt" ] || ! grep -q "GGML_NATIVE:BOOL=${ISA_FLAGS[0]##*=}" \
+        "$BUILD/CMakeCache.txt"; then
+    cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
         -DLLAMA_BUILD_SERVER=ON -DGGML_OPENMP=OFF > "$DIR/cmake.log"
 fi
