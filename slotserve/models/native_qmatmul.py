@@ -57,9 +57,11 @@ KERNEL = KernelSource(
     "qmatmul", CSRC / "qmatmul.c",
     # No contraction of the dequantizers' multiply-then-add: their values must be gguf's.
     # The instruction set comes from the CPU level (native_build.CPU_LEVELS).
-    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"),
-    # The int8 path splits its rows over an OpenMP team (libgomp.so.1: the one torch loaded
-    # already); a compiler without OpenMP builds it single-threaded.
+    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
+     "-pthread"),
+    # The one-call int8 path shares its rows with helper threads of its own (csrc/q8pool.h);
+    # the two-call reference path splits over an OpenMP team (libgomp.so.1: the one torch
+    # loaded already), and a compiler without OpenMP builds that single-threaded.
     link_variants=(("-fopenmp",), ()))
 
 # GGML type id -> name, for the types the kernel runs (gguf's enum of ggml.h's ggml_type).

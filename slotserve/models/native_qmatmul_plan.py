@@ -31,11 +31,12 @@ _ERRORS = {1: "the weight type has no kernel",
            2: "the shape does not fit the type's block layout or the row range is bad",
            3: "the scratch buffer is too small",
            4: "a row id is outside the weight"}
-# Below this many multiply-adds per call the OpenMP team's hand-off costs more than a second
-# core saves: its master spins at the team's barrier while a descheduled worker catches up
-# (measured on the shared 2-core machine), so it splits only products of 16M and more: at one
-# sequence, Gemma 3's 262k-row output projection; from 8 sequences the MLP matrices too.
-PARALLEL_MIN_WORK = 1 << 24
+# Below this many multiply-adds per call (about 15 us of one core's work) a second thread is
+# not worth its hand-off. The helpers (csrc/q8pool.h) cost the caller little even when they
+# are late: it runs the chunks they have not claimed and takes back a job not started. So at
+# one sequence every matrix of Gemma 3 270M's layers splits (the smallest, o_proj, is 655k);
+# OpenMP's team, whose barrier waits for a descheduled member, needed a 16M bar here.
+PARALLEL_MIN_WORK = 1 << 18
 MAX_WEIGHTS_PER_CALL = 8  # q8call.h's Q8X_MAX_SEGS
 _local = threading.local()
 

@@ -140,3 +140,50 @@ def test_the_kernel_checks_the_list_and_the_scratch_itself() -> None:
     assert [call(s) for s in bad] == [1, 2, 2]
     if not lib.repack_rows[int(Q.Q8_0)]:  # a build without the packed layout refuses it
         assert call(native_qmatmul_plan._Seg(w.ctypes.data, n, 68, 0, int(Q.Q8_0), 1)) == 1
+
+
+def test_helper_threads_survive_fork_and_concurrent_callers(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The pool's helpers are per process (a forked child, which has none of its parent's
+    threads, starts its own) and a call that finds them busy with another thread's call runs
+    alone: the same bits every way, and no call waits for a helper that does not exist."""
+    import os
+    import threading
+
+    monkeypatch.setattr(native_qmatmul_plan, "PARALLEL_MIN_WORK", 0)
+    k, n, m = 640, 1024, 3
+    data, _ = weight(Q.Q5_0, n, k, seed=11)
+    w = QuantWeight(torch.from_numpy(data), int(Q.Q5_0), k).repacked()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(11))
+    want = two_calls(w, x)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = torch.empty(m, n)
+        w.matmul(x, got)  # the parent's helpers now exist
+        assert torch.equal(got, want)
+        outs = [torch.empty(m, n) for _ in range(4)]
+
+        def many(out: torch.Tensor) -> None:
+            for _ in range(50):
+                w.matmul(x, out)
+
+        runners = [threading.Thread(target=many, args=(o,)) for o in outs]
+        for t in runners:
+            t.start()
+        for t in runners:
+            t.join()
+        assert all(torch.equal(o, want) for o in outs)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if its 2-thread result is right
+            ok = False
+            try:
+                child = torch.empty(m, n)
+                w.matmul(x, child)
+                ok = torch.equal(child, want)
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(saved)

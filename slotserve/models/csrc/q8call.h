@@ -10,15 +10,13 @@
  *
  * The results are bit for bit those of slotserve_q8_quantize then slotserve_qmatmul_q8 (or
  * _packed) per weight: the same quantizer, the same kernels, and no output depends on how the
- * rows are split. `threads` > 1 runs one OpenMP team for the whole call (one hand-off, not one
- * per weight): the rows of x are quantized in shares, then every weight's rows are split into
- * shares of whole tiles (4 rows; 16-row groups when packed), one share per thread. One thread
- * opens no team at all. Included by qmatmul.c only, after q8mm.h and q8repack.h. */
+ * rows are split. `threads` > 1 shares the call between the caller and helper threads
+ * (q8pool.h): the rows of x are quantized in chunks (from 32 rows; fewer the caller quantizes
+ * alone), then every weight's rows are cut into chunks of whole tiles (64 rows and more, a few
+ * per thread) that the threads claim as they come. One thread touches no pool at all. Included by qmatmul.c only, after q8mm.h and q8repack.h. */
 #ifndef SLOTSERVE_Q8CALL_H
 #define SLOTSERVE_Q8CALL_H
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "q8pool.h"
 
 /* One weight of a call; native_qmatmul.py's _Seg mirrors it field for field. */
 typedef struct {
@@ -65,70 +63,93 @@ int64_t slotserve_q8x_scratch_bytes(const qmm_seg* segs, int32_t nseg, int64_t k
     return need;
 }
 
+/* What the chunks of one call share: chunk c of weight s covers its rows
+   [(c - first[s]) * rows[s], + rows[s]), whole tiles (a multiple of 64 rows, the last
+   chunk the rest). */
+typedef struct {
+    const qmm_seg* segs;
+    const qtype_info* ts[Q8X_MAX_SEGS];
+    const uint8_t* act[Q8X_MAX_SEGS];
+    int64_t arb[Q8X_MAX_SEGS], rows[Q8X_MAX_SEGS], first[Q8X_MAX_SEGS + 1];
+    const float* x;
+    int64_t k, m, ldx, ldy;
+    float* y;
+    uint8_t* scratch;
+    int64_t off[Q8X_KINDS];
+    int nseg;
+} q8x_call;
+
+#define Q8X_QUANT_ROWS 8  /* activation rows per chunk of the quantization */
+#define Q8X_CHUNKS_PER_THREAD 8
+
+static void q8x_quantize_chunk(const pool_job* job, int64_t c) {
+    const q8x_call* w = (const q8x_call*)job->arg;
+    int64_t i0 = c * Q8X_QUANT_ROWS, i1 = i0 + Q8X_QUANT_ROWS < w->m ? i0 + Q8X_QUANT_ROWS : w->m;
+    for (int kind = 0; kind < Q8X_KINDS; kind++) {
+        if (w->off[kind] < 0) continue;
+        int64_t arb = act_row_bytes(kind, w->k);
+        for (int64_t i = i0; i < i1; i++)
+            quantize_act_row(kind, w->x + i * w->ldx, w->k, w->scratch + w->off[kind] + i * arb);
+    }
+}
+
+static void q8x_multiply_chunk(const pool_job* job, int64_t c) {
+    const q8x_call* w = (const q8x_call*)job->arg;
+    int s = 0;
+    while (c >= w->first[s + 1]) s++;
+    const qmm_seg* g = w->segs + s;
+    int64_t lo = (c - w->first[s]) * w->rows[s];
+    int64_t hi = lo + w->rows[s] < g->n ? lo + w->rows[s] : g->n;
+    if (g->packed) {
+#ifdef RP_SIMD
+        rp_rows(g->type, w->ts[s], g->w, w->k, w->act[s], w->arb[s], w->m, w->y + g->col, w->ldy,
+                lo / RP_ROWS, hi / RP_ROWS);
+#endif
+    } else {
+        q8_rows(g->type, w->ts[s], g->w, g->row_bytes, w->k, w->act[s], w->arb[s], w->m,
+                w->y + g->col, w->ldy, lo, hi);
+    }
+}
+
 /* y[:, col_s:col_s + n_s] = x @ W_s^T for every weight s of `segs` (nseg of them, k columns
-   each), x [m, k] float32 (rows ldx floats apart), y rows ldy floats apart. */
+   each), x [m, k] float32 (rows ldx floats apart), y rows ldy floats apart. `threads` > 1:
+   the caller and threads - 1 helpers of q8pool.h share the chunks. */
 int slotserve_qmatmul_q8_x(const qmm_seg* segs, int32_t nseg, int64_t k, const float* x,
         int64_t ldx, int64_t m, float* y, int64_t ldy, uint8_t* scratch, int64_t scratch_len,
         int32_t threads) {
     if (nseg < 1 || nseg > Q8X_MAX_SEGS || m < 0 || k <= 0 || (m > 1 && ldx < k))
         return QMM_BAD_SHAPE;
-    const qtype_info* ts[Q8X_MAX_SEGS];
-    int64_t off[Q8X_KINDS] = {-1, -1, -1}, need = 0;
+    q8x_call w = {.segs = segs, .x = x, .k = k, .m = m, .ldx = ldx, .ldy = ldy, .y = y,
+                  .scratch = scratch, .off = {-1, -1, -1}, .nseg = nseg};
+    int64_t need = 0;
     for (int s = 0; s < nseg; s++) {
-        int rc = q8x_check(segs + s, k, m, ldy, ts + s);
+        int rc = q8x_check(segs + s, k, m, ldy, w.ts + s);
         if (rc) return rc;
         int32_t kind = slotserve_q8_act_kind(segs[s].type);
-        if (off[kind] < 0) {
-            off[kind] = need;
+        if (w.off[kind] < 0) {
+            w.off[kind] = need;
             need += m * act_row_bytes(kind, k);
         }
     }
     if (scratch_len < need) return QMM_SMALL_SCRATCH;
     if (m == 0) return QMM_OK;
-#ifndef _OPENMP
-    (void)threads;
-#endif
-#ifdef _OPENMP
     int parts = threads < 1 ? 1 : threads;
-#pragma omp parallel num_threads(parts) if (parts > 1)
-#endif
-    {
-        int part = 0, nparts = 1;
-#ifdef _OPENMP
-        part = omp_get_thread_num();
-        nparts = omp_get_num_threads();
-#endif
-        for (int kind = 0; kind < Q8X_KINDS; kind++) {
-            if (off[kind] < 0) continue;
-            int64_t arb = act_row_bytes(kind, k);
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-            for (int64_t i = 0; i < m; i++)
-                quantize_act_row(kind, x + i * ldx, k, scratch + off[kind] + i * arb);
-        }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        for (int s = 0; s < nseg; s++) {
-            const qmm_seg* g = segs + s;
-            int32_t kind = slotserve_q8_act_kind(g->type);
-            const uint8_t* act = scratch + off[kind];
-            int64_t arb = act_row_bytes(kind, k);
-            if (g->packed) {
-#ifdef RP_SIMD
-                int64_t groups = g->n / RP_ROWS;
-                rp_rows(g->type, ts[s], g->w, k, act, arb, m, y + g->col, ldy,
-                        groups * part / nparts, groups * (part + 1) / nparts);
-#endif
-            } else {
-                int64_t lo, hi;
-                q8_share(0, g->n, part, nparts, &lo, &hi);
-                q8_rows(g->type, ts[s], g->w, g->row_bytes, k, act, arb, m, y + g->col, ldy,
-                        lo, hi);
-            }
-        }
+    w.first[0] = 0;
+    for (int s = 0; s < nseg; s++) {
+        int32_t kind = slotserve_q8_act_kind(segs[s].type);
+        w.act[s] = scratch + w.off[kind];
+        w.arb[s] = act_row_bytes(kind, k);
+        int64_t n = segs[s].n, per = (n + Q8X_CHUNKS_PER_THREAD * parts - 1)
+                                     / (Q8X_CHUNKS_PER_THREAD * parts);
+        per = parts == 1 ? n : per;  /* one thread: one chunk per weight */
+        per = (per + 63) / 64 * 64;
+        w.rows[s] = per < 64 ? 64 : per;
+        w.first[s + 1] = w.first[s] + (n + w.rows[s] - 1) / w.rows[s];
     }
+    pool_job quant = {q8x_quantize_chunk, (m + Q8X_QUANT_ROWS - 1) / Q8X_QUANT_ROWS, 0, &w};
+    pool_run(&quant, m >= 4 * Q8X_QUANT_ROWS ? parts : 1);  /* a few rows: not worth a hand-off */
+    pool_job mult = {q8x_multiply_chunk, w.first[nseg], 0, &w};
+    pool_run(&mult, parts);
     return QMM_OK;
 }
 
