@@ -119,6 +119,7 @@ def test_single_tensor_blocks_are_the_files_map(mixed_file: Path) -> None:
     # multiplies interleaved (QuantWeight.repacked; AVX-512 VNNI builds) is then its packed
     # copy instead of the map's pages, and one it does not stays the map's.
     auto, _ = load_model(mixed_file)
+    maps = _file_maps(mixed_file)  # this load mapped the file again, elsewhere
     for module in (auto.model.embed_tokens, auto.model.layers[0].self_attn.o_proj,
                    auto.model.layers[0].self_attn.qkv_proj):
         assert module._views is not None and module._plan is not None, "prepared at load"
