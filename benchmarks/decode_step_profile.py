@@ -149,20 +149,34 @@ def check_native(runner: ModelRunner, batch: int) -> float:
 
 
 def _time_quantized_matmuls() -> dict[tuple[int, int, str], list[float]]:
-    """CPU time of every quantized matmul from now on, by (rows, columns, type)."""
-    from slotserve.models import native_qmatmul
+    """CPU time of every quantized matmul from now on, by (rows, columns, types): one entry
+    per native call (a layer's q/k/v of two types is one call, keyed "Q5_0+Q8_0")."""
+    from slotserve.models import native_qmatmul, native_qmatmul_plan
 
     times: dict[tuple[int, int, str], list[float]] = {}
-    kernel = native_qmatmul.QuantWeight.matmul
+    plan_run = native_qmatmul_plan.QMatmulPlan.run
+    exact = native_qmatmul.QuantWeight.matmul
 
-    def timed(self: native_qmatmul.QuantWeight, x: torch.Tensor, out: torch.Tensor,
-              acts: dict[int, torch.Tensor] | None = None) -> None:
+    def timed_plan(self: native_qmatmul_plan.QMatmulPlan, x: torch.Tensor,
+                   out: torch.Tensor) -> None:
         t0 = time.thread_time()
-        kernel(self, x, out, acts)
+        plan_run(self, x, out)
+        types = "+".join(dict.fromkeys(native_qmatmul.KERNEL_TYPES[w.qtype]
+                                       for w in self.weights))
+        times.setdefault((self.columns, self.k, types), []).append(time.thread_time() - t0)
+
+    def timed_exact(self: native_qmatmul.QuantWeight, x: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        if self.int8:  # timed as its plan
+            exact(self, x, out)
+            return
+        t0 = time.thread_time()
+        exact(self, x, out)
         key = (self.n, self.k, native_qmatmul.KERNEL_TYPES[self.qtype])
         times.setdefault(key, []).append(time.thread_time() - t0)
 
-    native_qmatmul.QuantWeight.matmul = timed  # type: ignore[method-assign]
+    native_qmatmul_plan.QMatmulPlan.run = timed_plan  # type: ignore[method-assign]
+    native_qmatmul.QuantWeight.matmul = timed_exact  # type: ignore[method-assign]
     return times
 
 
@@ -230,14 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     model.forward = timed_forward  # type: ignore[method-assign]
     model.compute_logits = timed_logits  # type: ignore[method-assign]
     step_times: list[float] = []
+    wall_times: list[float] = []  # with threads > 1 the helpers' time is not the caller's
     sample_s: list[float] = []
     if real is not None:
         qtimes.clear()
     for it in range(args.iters):
         so = decode_output(args.batch, args.ctx + it)
-        t0 = time.thread_time()
+        t0, w0 = time.thread_time(), time.perf_counter()
         runner.execute_model(so)
         step_times.append(time.thread_time() - t0)
+        wall_times.append(time.perf_counter() - w0)
         sample_s.append(runner.last_forward_s)
     model.forward, model.compute_logits = orig_forward, orig_logits  # type: ignore[method-assign]
 
@@ -249,13 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  forward (layers)   {ms(fwd_times)}")
     print(f"  logits (LM head)   {ms(logit_times)}")
     print(f"  execute_model      {ms(step_times)}")
+    print(f"  execute_model wall {ms(wall_times)}")
     rest = [s - f - lg for s, f, lg in zip(step_times, fwd_times, logit_times, strict=True)]
     print(f"  runner + sampling  {ms(rest)}")
     if real is not None:
         total = sum(sum(v) for v in qtimes.values()) / args.iters
         print(f"  quantized matmuls  {1e3 * total:7.1f} ms per step (mean), by weight:")
         for (n, k, qtype), times in sorted(qtimes.items(), key=lambda kv: -sum(kv[1])):
-            print(f"    {qtype:5} {n:6d} x {k:5d}  {1e3 * sum(times) / args.iters:7.2f} ms "
+            print(f"    {qtype:9} {n:6d} x {k:5d}  {1e3 * sum(times) / args.iters:7.2f} ms "
                   f"({len(times) // args.iters} calls)")
 
     if args.profile:

@@ -25,6 +25,7 @@ from slotserve.model_config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
 from slotserve.models.quantization import (
     describe,
+    prepare_kernels,
     quantize_modules,
     weight_memory,
 )
@@ -76,6 +77,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype | None = None,
     weights = ((name, t if name in kept else materialize(t, torch_dtype))
                for name, t in ckpt.reader.weights(names))
     model.load_weights(weights, source=ckpt.reader.source)
+    prepare_kernels(model)  # repacked weights and their calls' plans, before the first step
     trim_heap()  # what dequantizing and converting tensors allocated on the way
     model.eval()
     model.requires_grad_(False)

@@ -26,8 +26,11 @@ dequantizes instead.
 
 `QuantWeight` checks a weight once and its calls' arguments every time, for real
 (`NativeKernelError`, not asserts); the kernel checks the block layout, row ranges and row ids
-again before reading. Nothing is allocated per call: the dequantization scratch and the
-quantized activations are per calling thread and grow to the largest need seen.
+again before reading. The int8 path is one native call per product (`QMatmulPlan`,
+native_qmatmul_plan.py: quantize x and multiply every weight sharing it); `quantize` and
+`matmul_quantized` are its two halves, kept as the reference it is tested against. Nothing is
+allocated per call: the dequantization scratch and the quantized activations are per calling
+thread and grow to the largest need seen.
 """
 
 from __future__ import annotations
@@ -48,36 +51,29 @@ from slotserve.models.native_build import (
     kernel_pool,
     load_kernel,
 )
+from slotserve.models.native_qmatmul_plan import QMatmulPlan, kernel_error
 
 KERNEL = KernelSource(
     "qmatmul", CSRC / "qmatmul.c",
     # No contraction of the dequantizers' multiply-then-add: their values must be gguf's.
     # The instruction set comes from the CPU level (native_build.CPU_LEVELS).
-    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"),
-    # The int8 path splits its rows over an OpenMP team (libgomp.so.1: the one torch loaded
-    # already); a compiler without OpenMP builds it single-threaded.
+    ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
+     "-pthread"),
+    # The one-call int8 path shares its rows with helper threads of its own (csrc/q8pool.h);
+    # the two-call reference path splits over an OpenMP team (libgomp.so.1: the one torch
+    # loaded already), and a compiler without OpenMP builds that single-threaded.
     link_variants=(("-fopenmp",), ()))
 
 # GGML type id -> name, for the types the kernel runs (gguf's enum of ggml.h's ggml_type).
 KERNEL_TYPES: dict[int, str] = {int(q): q.name for q in (
     Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
-# The kernel's return codes (the enum at the top of qmatmul.c).
 # The activation quantization each type's integer dot product takes (q8act.h's enum).
 ACT_KINDS: dict[int, str] = {0: "Q8_0", 1: "Q8_1", 2: "Q8_K"}
-_ERRORS = {1: "the weight type has no kernel",
-           2: "the shape does not fit the type's block layout or the row range is bad",
-           3: "the scratch buffer is too small",
-           4: "a row id is outside the weight"}
 _NR = 4  # the kernel's register tile: weight rows per tile, the split granularity
 _TILE_FLOATS = 48 * 1024  # the kernel uses at most this much scratch per thread (192 KiB)
-# Below this many multiply-adds per call the thread pool's hand-off (tens of microseconds)
-# costs more than it saves. The int8 path's OpenMP team hands off in microseconds on an idle
-# machine, but its master spins at the team's barrier while a descheduled worker catches up
-# (measured on the shared 2-core machine: a 1M multiply-add bar cost more CPU time than it
-# saved), so it splits only products of 16M and more: at one sequence, Gemma 3's 262k-row
-# output projection; from 8 sequences, the 4096-row MLP matrices too.
+# Below this many multiply-adds per call the Python pool's hand-off (tens of microseconds)
+# costs more than it saves (`exact`; the int8 path's bar is native_qmatmul_plan's).
 _PARALLEL_MIN_WORK = 1 << 22
-_PARALLEL_MIN_WORK_INT8 = 1 << 24
 
 
 class _Lib:
@@ -109,6 +105,12 @@ class _Lib:
         self.q8_matmul_packed.argtypes = [ctypes.c_int32, p, i, i, i, p, i, i, p, i,
                                           ctypes.c_int32]
         self.q8_matmul_packed.restype = ctypes.c_int
+        self.q8_x: Callable[..., int] = dll.slotserve_qmatmul_q8_x
+        self.q8_x.argtypes = [p, ctypes.c_int32, i, p, i, i, p, i, p, i, ctypes.c_int32]
+        self.q8_x.restype = ctypes.c_int
+        self.q8_x_scratch: Callable[..., int] = dll.slotserve_q8x_scratch_bytes
+        self.q8_x_scratch.argtypes = [p, ctypes.c_int32, i, i]
+        self.q8_x_scratch.restype = ctypes.c_int64
         repack_rows = dll.slotserve_q8_repack_rows
         repack_rows.argtypes = [ctypes.c_int32]
         repack_rows.restype = ctypes.c_int32
@@ -214,7 +216,7 @@ class QuantWeight:
     `lib`: a level's kernel (level_library), default the one qmatmul_available() loaded.
     `packed`: `blocks` is in the kernel's interleaved layout (`repacked()`), not GGUF's."""
 
-    __slots__ = ("blocks", "int8", "k", "lib", "n", "packed", "qtype", "row_bytes")
+    __slots__ = ("_plan", "blocks", "int8", "k", "lib", "n", "packed", "qtype", "row_bytes")
 
     def __init__(self, blocks: torch.Tensor, qtype: int, k: int, int8: bool = True,
                  lib: _Lib | None = None, packed: bool = False) -> None:
@@ -230,6 +232,7 @@ class QuantWeight:
         self.blocks, self.qtype, self.k, self.int8 = blocks, qtype, k, int8
         self.n, self.row_bytes = blocks.shape
         self.packed = packed
+        self._plan: QMatmulPlan | None = None
         _check(not packed or self.can_repack, f"a {self.n}-row {KERNEL_TYPES[qtype]} weight "
                "has no packed layout in this build")
 
@@ -250,7 +253,7 @@ class QuantWeight:
         rc = self.lib.repack(self.qtype, self.blocks.data_ptr(), self.n, self.k,
                              self.row_bytes, out.data_ptr(), out.numel())
         if rc != 0:
-            raise NativeKernelError(f"repack: {_ERRORS.get(rc, f'error {rc}')}")
+            raise kernel_error("repack", rc)
         return QuantWeight(out, self.qtype, self.k, self.int8, self.lib, packed=True)
 
     @property
@@ -271,14 +274,41 @@ class QuantWeight:
         buf = _act_buffer(kind, m * rb)
         rc = lib.quantize(kind, x.data_ptr(), x.stride(0), m, k, buf.data_ptr(), buf.numel())
         if rc != 0:
-            raise NativeKernelError(f"activation quantization: {_ERRORS.get(rc, f'error {rc}')}")
+            raise kernel_error("activation quantization", rc)
         return buf[:m * rb].view(m, rb)
 
-    def matmul(self, x: torch.Tensor, out: torch.Tensor,
-               acts: dict[int, torch.Tensor] | None = None) -> None:
+    def plan(self) -> QMatmulPlan:
+        """This weight alone as a one-call int8 product (made once, then reused)."""
+        if self._plan is None:
+            _check(self.int8, "a float32-activation weight has no int8 plan")
+            self._plan = QMatmulPlan([(self, 0)], self.n)
+        return self._plan
+
+    def matmul_quantized(self, act: torch.Tensor, out: torch.Tensor, threads: int = 1) -> None:
+        """out = x @ W^T from x's rows already quantized (`quantize`): the second half of the
+        two-call path, kept as the reference the one-call plan is tested against."""
+        lib = self.lib
+        m = act.shape[0]
+        _check(act.dtype == torch.uint8 and act.is_contiguous() and out.dtype == torch.float32
+               and out.dim() == 2 and out.shape == (m, self.n) and out.stride(1) == 1,
+               f"act must be quantized rows and out float32 [{m}, {self.n}]")
+        if self.packed:
+            rc = lib.q8_matmul_packed(self.qtype, self.blocks.data_ptr(), self.n, self.k,
+                                      self.row_bytes, act.data_ptr(), act.numel(), m,
+                                      out.data_ptr(), out.stride(0), threads)
+        else:
+            rc = lib.q8_matmul(self.qtype, self.blocks.data_ptr(), self.n, self.k,
+                               self.row_bytes, act.data_ptr(), act.numel(), m, out.data_ptr(),
+                               out.stride(0), 0, self.n, threads)
+        if rc != 0:
+            raise kernel_error("quantized matmul", rc)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out = x @ W^T: x [m, k] float32, out [m, n] float32 (rows of either may be
-        strided, e.g. out a column slice of a larger output; values contiguous). `acts`: x
-        already quantized by kind, shared by the weights multiplying the same x (filled in)."""
+        strided, e.g. out a column slice of a larger output; values contiguous)."""
+        if self.int8:
+            self.plan().run(x, out)
+            return
         lib = self.lib
         n, k = self.n, self.k
         _check(x.dim() == 2 and out.dim() == 2, "x and out must be matrices")
@@ -295,25 +325,8 @@ class QuantWeight:
             return
         threads = torch.get_num_threads()
         if threads > 1:  # small products are not worth the pool's hand-offs
-            bar = _PARALLEL_MIN_WORK_INT8 if self.int8 else _PARALLEL_MIN_WORK
-            threads = max(1, min(threads, n // (4 * _NR))) if m * n * k >= bar else 1
-        if self.int8:
-            act = acts.get(self.act_kind) if acts is not None else None
-            if act is None or act.shape[0] != m:
-                act = self.quantize(x)
-                if acts is not None:
-                    acts[self.act_kind] = act
-            if self.packed:
-                rc = lib.q8_matmul_packed(self.qtype, self.blocks.data_ptr(), n, k,
-                                          self.row_bytes, act.data_ptr(), act.numel(), m,
-                                          out.data_ptr(), ldo, threads)
-            else:
-                rc = lib.q8_matmul(self.qtype, self.blocks.data_ptr(), n, k, self.row_bytes,
-                                   act.data_ptr(), act.numel(), m, out.data_ptr(), ldo, 0, n,
-                                   threads)
-            if rc != 0:
-                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
-            return
+            threads = (max(1, min(threads, n // (4 * _NR))) if m * n * k >= _PARALLEL_MIN_WORK
+                       else 1)
         # float32 activations (`exact`): ranges of the Python pool, each with its scratch
         scratch = _scratch(threads, k)
         per = scratch.shape[1]
@@ -323,7 +336,7 @@ class QuantWeight:
         def run(part: int, n0: int, n1: int) -> None:
             rc = lib.matmul(*args, n0, n1, scratch.data_ptr() + part * per * 4, per)
             if rc != 0:
-                raise NativeKernelError(f"quantized matmul: {_ERRORS.get(rc, f'error {rc}')}")
+                raise kernel_error("quantized matmul", rc)
 
         if threads <= 1:
             run(0, 0, n)
@@ -347,4 +360,4 @@ class QuantWeight:
         rc = rows(self.qtype, self.blocks.data_ptr(), self.n, self.k, self.row_bytes,
                   ids.data_ptr(), ids.shape[0], out.data_ptr(), out.stride(0))
         if rc != 0:
-            raise NativeKernelError(f"quantized embedding: {_ERRORS.get(rc, f'error {rc}')}")
+            raise kernel_error("quantized embedding", rc)

@@ -42,6 +42,7 @@ from slotserve.models.native_qmatmul import (
     kernel_isa,
     qmatmul_available,
 )
+from slotserve.models.native_qmatmul_plan import MAX_WEIGHTS_PER_CALL, QMatmulPlan
 from slotserve.models.weight_utils import ShardedLinear, checkpoint_names, default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -103,18 +104,21 @@ def _load_blocks(buffer: torch.Tensor, loaded: CheckpointTensor, qtype: int, col
 
 
 class _QuantModule(nn.Module):
-    """The kernel's view of the block buffers (`QuantWeight`s), made on first use and again
-    after anything (`to_empty`, `to`) replaced the buffers.
+    """The kernel's view of the block buffers (`QuantWeight`s) and, with int8 activations,
+    the one native call that multiplies them all (`QMatmulPlan`): made at load
+    (`prepare_kernels`), or on first use, and again after anything (`to_empty`, `to`, a
+    weight loaded) replaced the buffers.
 
-    On first use each buffer whose kernel multiplies it faster interleaved
-    (`QuantWeight.repacked`: Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI) is replaced by its packed
-    copy, and the file's pages under a mapped original are dropped, so the weight is resident
-    once either way."""
+    Each buffer whose kernel multiplies it faster interleaved (`QuantWeight.repacked`: Q4_0 /
+    Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI) is then replaced by its packed copy, and the
+    file's pages under a mapped original are dropped, so the weight is resident once either
+    way."""
 
     def __init__(self, int8: bool) -> None:
         super().__init__()
         self.int8 = int8  # 8-bit activations (`auto`), else float32 (`exact`)
         self._views: list[QuantWeight] | None = None
+        self._plan: QMatmulPlan | None = None
         self._packed: set[str] = set()  # buffers in the kernel's packed layout
         self._mapped: set[str] = set()  # buffers that are views of the file's map
 
@@ -124,6 +128,10 @@ class _QuantModule(nn.Module):
     def _make_views(self) -> list[QuantWeight]:
         raise NotImplementedError
 
+    def _columns(self) -> list[int]:
+        """The first output column of each view's rows."""
+        return [0]
+
     def _loaded(self, name: str, mapped: torch.Tensor | None) -> None:
         """Buffer `name` was (partly) loaded in the GGUF layout; `mapped`: it is now this
         view of the file's map."""
@@ -131,7 +139,7 @@ class _QuantModule(nn.Module):
         if mapped is not None:
             setattr(self, name, mapped)
             self._mapped.add(name)
-        self._views = None
+        self._views = self._plan = None
 
     def views(self) -> list[QuantWeight]:
         if self._views is None:
@@ -149,8 +157,22 @@ class _QuantModule(nn.Module):
             self._views = views
         return self._views
 
+    def plan(self) -> QMatmulPlan:
+        """The int8 product of x with every view, one native call (`auto` only)."""
+        if self._plan is None:
+            views = self.views()
+            self._plan = QMatmulPlan(list(zip(views, self._columns(), strict=True)),
+                                     sum(v.n for v in views))
+        return self._plan
+
+    def prepare(self) -> None:
+        """Repack and plan now (at load), not at the first step."""
+        self.views()
+        if self.int8:
+            self.plan()
+
     def _apply(self, fn: Any, recurse: bool = True) -> _QuantModule:
-        self._views = None
+        self._views = self._plan = None
         super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves it untyped
         return self
 
@@ -184,6 +206,9 @@ class QuantizedLinear(_QuantModule):
                             packed=name in self._packed)
                 for name, seg in zip(self._buffer_names(), self.segments, strict=True)]
 
+    def _columns(self) -> list[int]:
+        return [seg.start for seg in self.segments]
+
     def weight_loader(self, param: torch.Tensor, loaded: CheckpointTensor,
                       shard_id: str | int | None, name: str) -> None:
         shard = next((s for s in self.shards if s.shard_id == shard_id), None)
@@ -211,13 +236,11 @@ class QuantizedLinear(_QuantModule):
             x = x.contiguous()
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        views = self.views()
-        if len(views) == 1:
-            views[0].matmul(x, out)
+        if self.int8 and len(self.segments) <= MAX_WEIGHTS_PER_CALL:
+            self.plan().run(x, out)  # x quantized once per kind for all segments, one call
         else:
-            acts: dict[int, torch.Tensor] = {}  # x quantized once per kind for all segments
-            for seg, view in zip(self.segments, views, strict=True):
-                view.matmul(x, out[:, seg.start:seg.start + seg.rows], acts)
+            for seg, view in zip(self.segments, self.views(), strict=True):
+                view.matmul(x, out[:, seg.start:seg.start + seg.rows])
         if self.bias is not None:
             out += self.bias
         return out
@@ -276,7 +299,10 @@ class QuantizedEmbedding(_QuantModule):
             x = x.contiguous()
         if out is None:
             out = torch.empty(x.shape[0], self.num_embeddings, dtype=torch.float32)
-        self.views()[0].matmul(x, out)
+        if self.int8:
+            self.plan().run(x, out)
+        else:
+            self.views()[0].matmul(x, out)
         return out
 
     def dequantized(self) -> torch.Tensor:
@@ -344,6 +370,15 @@ def quantize_modules(model: nn.Module, tensor_types: Mapping[str, int],
         model.set_submodule(name, new)
         kept.update(ckpt for ckpt, _ in parts)
     return frozenset(kept)
+
+
+def prepare_kernels(model: nn.Module) -> None:
+    """Repack every quantized weight the kernel multiplies faster interleaved and make its
+    call's plan, once, at load: the first decode step then costs what the others do, and the
+    packed copies are allocated while the loader still trims the heap."""
+    for module in model.modules():
+        if isinstance(module, _QuantModule):
+            module.prepare()
 
 
 def weight_memory(model: nn.Module) -> tuple[int, int]:

@@ -163,24 +163,6 @@ def assert_split_changes_no_bit(w: QuantWeight, x: torch.Tensor) -> None:
     assert torch.equal(one, two)
 
 
-def test_segments_share_one_quantized_x() -> None:
-    """Weights multiplying the same x reuse its quantized rows (`acts`), same result."""
-    k = 256
-    a_data, _ = weight(Q.Q5_0, 8, k, seed=4)
-    b_data, _ = weight(Q.Q8_0, 8, k, seed=5)
-    a = QuantWeight(torch.from_numpy(a_data), int(Q.Q5_0), k)
-    b = QuantWeight(torch.from_numpy(b_data), int(Q.Q8_0), k)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
-    acts: dict[int, torch.Tensor] = {}
-    shared, alone = torch.empty(3, 16), torch.empty(3, 16)
-    a.matmul(x, shared[:, :8], acts)
-    b.matmul(x, shared[:, 8:], acts)
-    assert list(acts) == [a.act_kind]
-    a.matmul(x, alone[:, :8])
-    b.matmul(x, alone[:, 8:])
-    assert torch.equal(shared, alone)
-
-
 def test_the_kernel_checks_its_arguments_itself() -> None:
     lib = native_qmatmul._library()
     k, n = 64, 8

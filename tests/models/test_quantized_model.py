@@ -96,8 +96,9 @@ def _file_maps(path: Path) -> list[tuple[int, int]]:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
 def test_single_tensor_blocks_are_the_files_map(mixed_file: Path) -> None:
     """A block buffer that is one checkpoint tensor is a view of the file's map (no copy:
-    as with llama.cpp's mmap); a buffer fused from several tensors is its own memory."""
-    model, _ = load_model(mixed_file)
+    as with llama.cpp's mmap); a buffer fused from several tensors is its own memory. With
+    `exact` nothing is repacked, so every single-tensor buffer stays the map's."""
+    model, _ = load_model(mixed_file, quantization="exact")
     maps = _file_maps(mixed_file)
 
     def in_file(t: torch.Tensor) -> bool:
@@ -114,13 +115,18 @@ def test_single_tensor_blocks_are_the_files_map(mixed_file: Path) -> None:
     none, _ = load_model(mixed_file, quantization="none")
     ids = torch.arange(0, 384, 7)
     assert torch.equal(model.model.embed_tokens(ids), none.model.embed_tokens(ids))
-    # Once used, a buffer the kernel multiplies interleaved (Q8_0 / Q5_0 with AVX-512 VNNI,
-    # QuantWeight.repacked) is its packed copy instead of the map's pages; a Q4_K one stays.
-    emb = model.model.embed_tokens
-    if emb.views()[0].packed:
-        assert not in_file(emb.qweight) and in_file(layer.self_attn.o_proj.qweight_0)
-        assert layer.self_attn.qkv_proj.views()[1].packed  # v, Q8_0
-    assert torch.equal(emb(ids), none.model.embed_tokens(ids))
+    # `auto` repacks at load (prepare_kernels), before any call: a buffer the kernel
+    # multiplies interleaved (QuantWeight.repacked; AVX-512 VNNI builds) is then its packed
+    # copy instead of the map's pages, and one it does not stays the map's.
+    auto, _ = load_model(mixed_file)
+    maps = _file_maps(mixed_file)  # this load mapped the file again, elsewhere
+    for module in (auto.model.embed_tokens, auto.model.layers[0].self_attn.o_proj,
+                   auto.model.layers[0].self_attn.qkv_proj):
+        assert module._views is not None and module._plan is not None, "prepared at load"
+        for name, view in zip(module._buffer_names(), module._views, strict=True):
+            fused = module is auto.model.layers[0].self_attn.qkv_proj and name == "qweight_0"
+            assert in_file(getattr(module, name)) == (not view.packed and not fused)
+    assert torch.equal(auto.model.embed_tokens(ids), none.model.embed_tokens(ids))
 
 
 def run(path: Path, quantization: str, prompts: list[list[int]]) -> ManualScheduler:

@@ -1,19 +1,20 @@
-/* Block-quantized matmul for the CPU: y = x @ W^T with float32 activations and W kept in one
- * of GGUF's block formats (see slotserve/models/native_qmatmul.py for why, and for how this
- * file is built and called).
+/* Block-quantized matmul for the CPU: y = x @ W^T with W kept in one of GGUF's block formats
+ * (see slotserve/models/native_qmatmul.py for why, and for how this file is built and called).
+ * This file holds the entry points and their argument checks; the kernels live in headers by
+ * concept: qmatmul_f32.h (float32 activations), q8act.h (activations quantized to 8 bits),
+ * q8dot.h / q8dot512.h / q8mm.h (integer dots over GGUF-layout blocks), q8repack.h (the
+ * interleaved layout weights are repacked into at load).
  *
- * The model's numbers stay those of dequantize-then-matmul: every weight is dequantized to
- * exactly the float32 value `gguf`'s reference dequantizer gives (qblocks.h: same operations
- * in the same order; the file is compiled with -ffp-contract=off so no multiply-add is fused
- * there), and only the order of the float32 sums in the dot products differs. Activations are never
- * quantized.
+ * Float32 activations (`exact`): every weight is dequantized to exactly the float32 value
+ * `gguf`'s reference dequantizer gives (qblocks.h: same operations in the same order; the file
+ * is compiled with -ffp-contract=off so no multiply-add is fused there), and only the order of
+ * the float32 sums in the dot products differs from dequantize-then-matmul. Per tile of weight
+ * rows: the rows are dequantized into the scratch once, then every row block of x (kept in L2)
+ * runs against them in MR x NR register tiles, one horizontal sum per output at the end.
  *
- * One call computes the output columns [n0, n1) for every row of x. Per tile of `nb` weight
- * rows (as many as fit the scratch, at most TILE_BYTES): the rows are dequantized into the
- * scratch once, then every row block of x (MB rows, kept in L2) runs against them in MR x NR
- * register tiles: MR rows of x times NR weight rows, 16 lanes of k at a time, MR * NR
- * accumulators, one horizontal sum per output at the end. Each weight is dequantized once per
- * MB rows of x, so decode steps (a few dozen rows) dequantize it once.
+ * Int8 activations (`auto`): the rows of x are quantized as llama.cpp does (q8act.h) and
+ * multiplied with integer dot products per block, then the scales. `slotserve_qmatmul_q8_x`
+ * does both for a list of weights sharing x in one call (the decode step's path).
  *
  * The Python caller checks dtypes, devices and strides; this file checks the type, the shape
  * against the type's block layout, the row range, the scratch size and row ids before any
@@ -35,80 +36,7 @@ enum {
 
 #include "simd.h"
 
-/* The multiply-add of the dot products is fused on purpose (one rounding, as in any sgemm);
-   spelled out because the file is compiled with -ffp-contract=off for the dequantizers. */
-#if defined(__AVX512F__)
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
-#elif defined(__FMA__) && defined(__AVX__)
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-    union { v16 v; __m256 h[2]; } ua = {a}, ub = {b}, uc = {c};
-    uc.h[0] = _mm256_fmadd_ps(ua.h[0], ub.h[0], uc.h[0]);
-    uc.h[1] = _mm256_fmadd_ps(ua.h[1], ub.h[1], uc.h[1]);
-    return uc.v;
-}
-#else
-static inline v16 fma16(v16 a, v16 b, v16 c) { return a * b + c; }
-#endif
-
 #include "qblocks.h"
-
-#ifdef QMM_AVX512
-/* Few rows of x (decoding one or two sequences): the scratch round trip costs as much as the
-   multiply-adds, so blocks are decoded in registers and multiplied with x right away, four
-   weight rows at a time (their bytes prefetched as the tiles do). The values multiplied are
-   the dequantizers' own; only the order of the float32 sums differs from the tile path. */
-#define FUSED_MAX_M 2
-#define FMA_INTO_ACC(v, off) do {                                                             \
-    for (int i_ = 0; i_ < m; i_++) {                                                          \
-        const float* xb_ = x + i_ * ldx + kb + (off);                                         \
-        acc[j][i_] = _mm512_fmadd_ps((v).a, _mm512_loadu_ps(xb_), acc[j][i_]);                \
-        acc[j][i_] = _mm512_fmadd_ps((v).b, _mm512_loadu_ps(xb_ + 16), acc[j][i_]);           \
-    }                                                                                         \
-} while (0)
-#define FUSED(NAME, FOR, VALUES, BYTES)                                                       \
-static inline __attribute__((always_inline)) void NAME##_rows(                               \
-        const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx,        \
-        const int m, float* y, int64_t ldy, int64_t r, const int nr) {                       \
-    __m512 acc[4][FUSED_MAX_M];                                                               \
-    for (int j = 0; j < nr; j++)                                                              \
-        for (int i = 0; i < m; i++) acc[j][i] = _mm512_setzero_ps();                          \
-    const uint8_t* row = w + r * row_bytes;                                                   \
-    for (int64_t p = 0; p < nr * row_bytes; p += 64)                                          \
-        __builtin_prefetch(row + p + PREFETCH_BYTES, 0, 0);                                   \
-    for (int64_t bi = 0; bi < nb; bi++) {                                                     \
-        int64_t kb = (VALUES) * bi;                                                           \
-        for (int j = 0; j < nr; j++) {                                                        \
-            const uint8_t* blk = row + j * row_bytes + (BYTES) * bi;                          \
-            FOR(blk, FMA_INTO_ACC);                                                           \
-        }                                                                                     \
-    }                                                                                         \
-    for (int i = 0; i < m; i++) {                                                             \
-        if (nr == 4)                                                                          \
-            hsum4((v16)acc[0][i], (v16)acc[1][i], (v16)acc[2][i], (v16)acc[3][i],             \
-                  y + i * ldy + r);                                                           \
-        else                                                                                  \
-            for (int j = 0; j < nr; j++) y[i * ldy + r + j] = hsum((v16)acc[j][i]);         \
-    }                                                                                         \
-}                                                                                             \
-static void NAME##_fused(const uint8_t* w, int64_t row_bytes, int64_t k, const float* x,      \
-                         int64_t ldx, int64_t m, float* y, int64_t ldy, int64_t n0,           \
-                         int64_t n1) {                                                        \
-    int64_t nb = k / (VALUES), r = n0;                                                        \
-    for (; r + 4 <= n1; r += 4) {                                                             \
-        if (m == 1) NAME##_rows(w, row_bytes, nb, x, ldx, 1, y, ldy, r, 4);                   \
-        else NAME##_rows(w, row_bytes, nb, x, ldx, 2, y, ldy, r, 4);                          \
-    }                                                                                         \
-    for (; r < n1; r++) {                                                                     \
-        if (m == 1) NAME##_rows(w, row_bytes, nb, x, ldx, 1, y, ldy, r, 1);                   \
-        else NAME##_rows(w, row_bytes, nb, x, ldx, 2, y, ldy, r, 1);                          \
-    }                                                                                         \
-}
-#define FUSED_ARGS const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, float*, \
-                   int64_t, int64_t, int64_t
-#endif
 
 typedef void (*dequant_fn)(const uint8_t*, int64_t, float*);
 typedef struct { int32_t type; int32_t block; int32_t bytes; dequant_fn fn; } qtype_info;
@@ -132,143 +60,7 @@ static int check_layout(const qtype_info* t, int64_t n, int64_t k, int64_t row_b
     return QMM_OK;
 }
 
-/* ---- the register tiles ------------------------------------------------------------------ */
-
-#define MR 4
-#define NR 4
-#ifndef X_BLOCK_BYTES
-#define X_BLOCK_BYTES (256 * 1024)  /* rows of x per block: they stay in L2 */
-#endif
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 16384
-#endif
-#ifndef TILE_ROWS
-#define TILE_ROWS 4               /* weight rows dequantized at a time: they stay in L1 */
-#endif
-
-/* A load into a register of its own: left alone, gcc folds the loads into each multiply-add
-   that uses them, and the tile becomes bound by loads instead of multiply-adds. */
-#if defined(__AVX512F__) && defined(__x86_64__) && !defined(__clang__)
-static inline __attribute__((always_inline)) v16 LOAD16(const float* p) {
-    v16 v;
-    __asm__("vmovups %1, %0" : "=v"(v) : "m"(*(const v16*)p));
-    return v;
-}
-#else
-#define LOAD16(p) (*(const v16*)(p))
-#endif
-
-static inline __attribute__((always_inline)) void tile(
-        const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy,
-        const int mr, const int nr) {
-    v16 acc[MR][NR];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = (v16){0};
-    for (int64_t kk = 0; kk < k; kk += 16) {
-        v16 xv[MR], wv[NR];
-        for (int i = 0; i < mr; i++) xv[i] = *(const v16*)(x + i * ldx + kk);
-        for (int j = 0; j < nr; j++) wv[j] = *(const v16*)(w + j * k + kk);
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nr; j++) acc[i][j] = fma16(xv[i], wv[j], acc[i][j]);
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) y[i * ldy + j] = hsum(acc[i][j]);
-}
-
-typedef void (*tile_fn)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-#define TILE(a, b) \
-    static void tile_##a##_##b(const float* x, int64_t ldx, const float* w, int64_t k, \
-                               float* y, int64_t ldy) { tile(x, ldx, w, k, y, ldy, a, b); }
-#define TILE_ROW(a) TILE(a, 1) TILE(a, 2) TILE(a, 3) TILE(a, 4)
-TILE_ROW(1) TILE_ROW(2) TILE_ROW(3)
-TILE(4, 1) TILE(4, 2) TILE(4, 3)
-
-/* y[j] = hsum(cj) for four vectors: their 128-bit quarters are summed pairwise across the
-   four (two shuffle-and-add rounds), then the four lanes of each quarter. */
-static inline void hsum4(v16 c0, v16 c1, v16 c2, v16 c3, float* y) {
-#ifdef QMM_AVX512
-    __m512 a0 = (__m512)c0, a1 = (__m512)c1, a2 = (__m512)c2, a3 = (__m512)c3;
-    __m512 p01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                               _mm512_shuffle_f32x4(a0, a1, 0xee));
-    __m512 p23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                               _mm512_shuffle_f32x4(a2, a3, 0xee));
-    /* quarter j now holds 4 partial sums of cj */
-    __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(p01, p23, 0x88),
-                             _mm512_shuffle_f32x4(p01, p23, 0xdd));
-    q = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4e));
-    q = _mm512_add_ps(q, _mm512_permute_ps(q, 0xb1));
-    __m512 r = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                       12, 8, 4, 0), q);
-    _mm_storeu_ps(y, _mm512_castps512_ps128(r));
-#else
-    y[0] = hsum(c0); y[1] = hsum(c1); y[2] = hsum(c2); y[3] = hsum(c3);
-#endif
-}
-
-/* The full 4 x 4 tile, written out so that its 16 accumulators and 8 operands live in
-   registers and every operand is loaded once per step (LOAD16). */
-static void tile_4_4(const float* x, int64_t ldx, const float* w, int64_t k, float* y,
-                     int64_t ldy) {
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx;
-    const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
-    v16 c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0}, c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-    v16 c20 = {0}, c21 = {0}, c22 = {0}, c23 = {0}, c30 = {0}, c31 = {0}, c32 = {0}, c33 = {0};
-    for (int64_t kk = 0; kk < k; kk += 16) {
-        v16 b0 = LOAD16(w0 + kk), b1 = LOAD16(w1 + kk), b2 = LOAD16(w2 + kk);
-        v16 b3 = LOAD16(w3 + kk), a;
-        a = LOAD16(x0 + kk);
-        c00 = fma16(a, b0, c00); c01 = fma16(a, b1, c01); c02 = fma16(a, b2, c02);
-        c03 = fma16(a, b3, c03);
-        a = LOAD16(x1 + kk);
-        c10 = fma16(a, b0, c10); c11 = fma16(a, b1, c11); c12 = fma16(a, b2, c12);
-        c13 = fma16(a, b3, c13);
-        a = LOAD16(x2 + kk);
-        c20 = fma16(a, b0, c20); c21 = fma16(a, b1, c21); c22 = fma16(a, b2, c22);
-        c23 = fma16(a, b3, c23);
-        a = LOAD16(x3 + kk);
-        c30 = fma16(a, b0, c30); c31 = fma16(a, b1, c31); c32 = fma16(a, b2, c32);
-        c33 = fma16(a, b3, c33);
-    }
-    hsum4(c00, c01, c02, c03, y);
-    hsum4(c10, c11, c12, c13, y + ldy);
-    hsum4(c20, c21, c22, c23, y + 2 * ldy);
-    hsum4(c30, c31, c32, c33, y + 3 * ldy);
-}
-
-static const tile_fn TILES[MR][NR] = {
-    {tile_1_1, tile_1_2, tile_1_3, tile_1_4}, {tile_2_1, tile_2_2, tile_2_3, tile_2_4},
-    {tile_3_1, tile_3_2, tile_3_3, tile_3_4}, {tile_4_1, tile_4_2, tile_4_3, tile_4_4},
-};
-
-#ifdef QMM_AVX512
-FUSED(q4_0, FOR_Q4_0, 32, 18)
-FUSED(q4_1, FOR_Q4_1, 32, 20)
-FUSED(q5_0, FOR_Q5_0, 32, 22)
-FUSED(q5_1, FOR_Q5_1, 32, 24)
-FUSED(q8_0, FOR_Q8_0, 32, 34)
-FUSED(q4_k, FOR_Q4_K, 256, 144)
-FUSED(q5_k, FOR_Q5_K, 256, 176)
-FUSED(q6_k, FOR_Q6_K, 256, 210)
-typedef void (*fused_fn)(FUSED_ARGS);
-static fused_fn fused_kernel(int32_t type) {
-    switch (type) {
-        case 2: return q4_0_fused;
-        case 3: return q4_1_fused;
-        case 6: return q5_0_fused;
-        case 7: return q5_1_fused;
-        case 8: return q8_0_fused;
-        case 12: return q4_k_fused;
-        case 13: return q5_k_fused;
-        case 14: return q6_k_fused;
-        default: return 0;
-    }
-}
-#else  /* the portable build always goes through the scratch */
-#define FUSED_MAX_M 0
-typedef void (*fused_fn)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t,
-                         float*, int64_t, int64_t, int64_t);
-static fused_fn fused_kernel(int32_t type) { (void)type; return 0; }
-#endif
+#include "qmatmul_f32.h"
 
 /* x [m, k] (rows ldx floats apart), W [n, k] as n rows of `row_bytes` bytes of blocks,
    y [m, n] (rows ldy floats apart): y[:, n0:n1] = x @ W[n0:n1]^T. */
@@ -339,17 +131,7 @@ void slotserve_qtype_layout(int32_t type, int32_t* block, int32_t* bytes) {
 
 /* ---- int8 activations (`--quantization auto`): q8act.h, q8dot.h ------------------------ */
 
-#include "q8dot.h"
-
-/* The weight streams from DRAM once per step: the rows 4 KiB ahead are asked for into every
-   cache level (prefetcht0). Measured on the 262k x 640 Q8_0 output projection at one row:
-   prefetchnta, or 16 KiB and more ahead, left a third to half of the read bandwidth unused. */
-#ifndef Q8_PREFETCH_BYTES
-#define Q8_PREFETCH_BYTES 4096
-#endif
-#ifndef Q8_X_BLOCK_BYTES
-#define Q8_X_BLOCK_BYTES (256 * 1024)  /* quantized rows of x per pass: they stay in L2 */
-#endif
+#include "q8mm.h"
 
 /* The activation quantization each weight type's dot product takes (-1: no int8 kernel). */
 int32_t slotserve_q8_act_kind(int32_t type) {
@@ -380,98 +162,36 @@ int slotserve_q8_quantize(int32_t kind, const float* x, int64_t ldx, int64_t m, 
 /* The instructions the integer dot products use in this build (logs, tests). */
 const char* slotserve_q8_isa(void) { return Q8_ISA; }
 
+/* Output columns [lo, hi) of a GGUF-layout weight for activation rows [0, m). */
+static void q8_rows(int32_t type, const qtype_info* t, const uint8_t* w, int64_t row_bytes,
+                    int64_t k, const uint8_t* act, int64_t arb, int64_t m, float* y,
+                    int64_t ldy, int64_t lo, int64_t hi) {
+    int64_t mb = Q8_X_BLOCK_BYTES / arb, nb = k / t->block;
+    mb = mb < 1 ? 1 : mb;
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        int64_t m1 = m - m0 < mb ? m : m0 + mb;
 #ifdef Q8_SIMD
-/* Four weight rows at a time against the activation rows of a pass, Q8_MR at a time; the
-   rows' bytes, and those Q8_PREFETCH_BYTES further on, requested first (the weight streams from
-   DRAM once per step). */
-#define Q8_TILES(NAME, NR)                                                                    \
-    for (int64_t i = m0; i < m1; i += Q8_MR) {                                                \
-        const uint8_t* a_ = act + i * arb;                                                    \
-        float* y_ = y + i * ldy + r;                                                          \
-        switch (m1 - i < Q8_MR ? (int)(m1 - i) : Q8_MR) {                                     \
-            case 1: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 1, NR); break;       \
-            case 2: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 2, NR); break;       \
-            case 3: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, 3, NR); break;       \
-            default: NAME##_tile(row, row_bytes, nb, a_, arb, k, y_, ldy, Q8_MR, NR); break;  \
-        }                                                                                     \
-    }
-#define Q8_MM(NAME, FN)                                                                       \
-static void FN(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
-                      int64_t arb, int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,  \
-                      int64_t n0, int64_t n1) {                                               \
-    int64_t r = n0;                                                                           \
-    for (; r + 4 <= n1; r += 4) {                                                             \
-        const uint8_t* row = w + r * row_bytes;                                               \
-        for (int64_t p = 0; p < 4 * row_bytes; p += 64)                                       \
-            __builtin_prefetch(row + p + Q8_PREFETCH_BYTES, 0, 3);                             \
-        Q8_TILES(NAME, 4)                                                                     \
-    }                                                                                         \
-    for (; r < n1; r++) {                                                                     \
-        const uint8_t* row = w + r * row_bytes;                                               \
-        Q8_TILES(NAME, 1)                                                                     \
-    }                                                                                         \
-}
-Q8_MM(q4_1, q4_1_mm) Q8_MM(q5_1, q5_1_mm) Q8_MM(q4_k, q4_k_mm) Q8_MM(q5_k, q5_k_mm)
-Q8_MM(q6_k, q6_k_mm)
-#ifdef Q8_PREDECODE
-/* More activation rows than one tile: each 4-row tile of weights decoded once (q8dot512.h). */
-#define Q8_MM_PRE(NAME, SHIFT)                                                                \
-Q8_MM(NAME, NAME##_mm_direct)                                                                 \
-static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* act,    \
-                      int64_t arb, int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,  \
-                      int64_t n0, int64_t n1) {                                               \
-    int64_t pairs = (nb + 1) / 2;                                                             \
-    if (m1 - m0 <= Q8_MR || pairs > Q8_PRE_PAIRS) {                                           \
-        NAME##_mm_direct(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, n0, n1);              \
-        return;                                                                               \
-    }                                                                                         \
-    __m512i u[4 * Q8_PRE_PAIRS];                                                              \
-    __m512 dw[4 * Q8_PRE_PAIRS];                                                              \
-    for (int64_t r = n0; r < n1; r += 4) {                                                    \
-        const uint8_t* row = w + r * row_bytes;                                               \
-        int nr = n1 - r < 4 ? (int)(n1 - r) : 4;                                              \
-        for (int64_t p = 0; p < nr * row_bytes; p += 64)                                      \
-            __builtin_prefetch(row + p + Q8_PREFETCH_BYTES, 0, 3);                            \
-        NAME##_decode(row, row_bytes, nb, nr, u, dw);                                         \
-        for (int64_t i = m0; i < m1; i += Q8_MR) {                                            \
-            const uint8_t* a_ = act + i * arb;                                                \
-            float* y_ = y + i * ldy + r;                                                      \
-            int mr = m1 - i < Q8_MR ? (int)(m1 - i) : Q8_MR;                                  \
-            if (nr == 4) {                                                                    \
-                switch (mr) {                                                                 \
-                    case 1: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, 1, 4, SHIFT); break;\
-                    case 2: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, 2, 4, SHIFT); break;\
-                    case 3: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, 3, 4, SHIFT); break;\
-                    default: q8_512_tile_pre(u, dw, nb, a_, arb, k, y_, ldy, Q8_MR, 4, SHIFT);\
-                }                                                                             \
-            } else                                                                            \
-                for (int j = 0; j < nr; j++)                                                  \
-                    for (int i2 = 0; i2 < mr; i2++)                                           \
-                        q8_512_tile_pre(u + j * pairs, dw + j * pairs, nb, a_ + i2 * arb,     \
-                                        arb, k, y_ + i2 * ldy + j, ldy, 1, 1, SHIFT);         \
-        }                                                                                     \
-    }                                                                                         \
-}
-Q8_MM_PRE(q4_0, 3) Q8_MM_PRE(q5_0, 4) Q8_MM_PRE(q8_0, 7)
+        q8_kernel(type)(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, lo, hi);
 #else
-Q8_MM(q4_0, q4_0_mm) Q8_MM(q5_0, q5_0_mm) Q8_MM(q8_0, q8_0_mm)
+        for (int64_t r = lo; r < hi; r++)
+            for (int64_t i = m0; i < m1; i++)
+                y[i * ldy + r] = dot_row_portable(type, w + r * row_bytes, nb, act + i * arb, k);
 #endif
-typedef void (*q8_mm_fn)(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
-                         int64_t, int64_t, float*, int64_t, int64_t, int64_t);
-static q8_mm_fn q8_kernel(int32_t type) {
-    switch (type) {
-        case 2: return q4_0_mm;
-        case 3: return q4_1_mm;
-        case 6: return q5_0_mm;
-        case 7: return q5_1_mm;
-        case 8: return q8_0_mm;
-        case 12: return q4_k_mm;
-        case 13: return q5_k_mm;
-        case 14: return q6_k_mm;
-        default: return 0;
     }
 }
-#endif
+
+/* Share `part` of `parts` of [n0, n1): whole 4-row tiles, the last share takes the rest. */
+static void q8_share(int64_t n0, int64_t n1, int part, int parts, int64_t* lo, int64_t* hi) {
+    int64_t tiles = (n1 - n0 + 3) / 4;
+    *lo = n0 + tiles * part / parts * 4;
+    *hi = n0 + tiles * (part + 1) / parts * 4;
+    *hi = *hi < n1 ? *hi : n1;
+    *lo = *lo < *hi ? *lo : *hi;
+}
+
+static int clamp_parts(int32_t threads, int64_t units) {
+    return threads < 1 || units < 1 ? 1 : threads > units ? (int)units : threads;
+}
 
 /* y[:, n0:n1] = x @ W[n0:n1]^T with x given as m rows quantized by slotserve_q8_quantize with
    the kind slotserve_q8_act_kind(type) names (`act`, act_len bytes); y rows ldy floats apart.
@@ -487,29 +207,16 @@ int slotserve_qmatmul_q8(int32_t type, const uint8_t* w, int64_t n, int64_t k,
     if (check_layout(t, n, k, row_bytes) || m < 0 || n0 < 0 || n1 > n || n0 > n1
         || (m > 1 && ldy < n1))
         return QMM_BAD_SHAPE;
-    int64_t arb = act_row_bytes(kind, k), nb = k / t->block;
+    int64_t arb = act_row_bytes(kind, k);
     if (act_len < m * arb) return QMM_SMALL_SCRATCH;
-    int64_t mb = Q8_X_BLOCK_BYTES / arb;
-    mb = mb < 1 ? 1 : mb;
-    int64_t tiles = (n1 - n0 + 3) / 4;
-    int parts = threads < 1 ? 1 : threads > tiles ? (int)(tiles < 1 ? 1 : tiles) : threads;
+    int parts = clamp_parts(threads, (n1 - n0 + 3) / 4);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
 #endif
     for (int part = 0; part < parts; part++) {
-        int64_t lo = n0 + tiles * part / parts * 4, hi = n0 + tiles * (part + 1) / parts * 4;
-        hi = hi < n1 ? hi : n1;
-        for (int64_t m0 = 0; m0 < m; m0 += mb) {
-            int64_t m1 = m - m0 < mb ? m : m0 + mb;
-#ifdef Q8_SIMD
-            q8_kernel(type)(w, row_bytes, nb, act, arb, k, m0, m1, y, ldy, lo, hi);
-#else
-            for (int64_t r = lo; r < hi; r++)
-                for (int64_t i = m0; i < m1; i++)
-                    y[i * ldy + r] = dot_row_portable(type, w + r * row_bytes, nb,
-                                                      act + i * arb, k);
-#endif
-        }
+        int64_t lo, hi;
+        q8_share(n0, n1, part, parts, &lo, &hi);
+        q8_rows(type, t, w, row_bytes, k, act, arb, m, y, ldy, lo, hi);
     }
     return QMM_OK;
 }
@@ -575,6 +282,21 @@ int slotserve_dequant_rows_packed(int32_t type, const uint8_t* wp, int64_t n, in
     return QMM_OK;
 }
 
+#ifdef RP_SIMD
+/* Groups [g0, g1) of 16 rows of a packed weight for activation rows [0, m). */
+static void rp_rows(int32_t type, const qtype_info* t, const uint8_t* wp, int64_t k,
+                    const uint8_t* act, int64_t arb, int64_t m, float* y, int64_t ldy,
+                    int64_t g0, int64_t g1) {
+    int64_t mb = Q8_X_BLOCK_BYTES / arb;
+    mb = mb < RP_MR ? RP_MR : mb / RP_MR * RP_MR;
+    rp_mm_fn fn = rp_kernel(type);
+    for (int64_t m0 = 0; m0 < m; m0 += mb) {
+        int64_t m1 = m - m0 < mb ? m : m0 + mb;
+        fn(wp, k / t->block, act, arb, k, m0, m1, y, ldy, g0, g1);
+    }
+}
+#endif
+
 /* slotserve_qmatmul_q8 for a weight packed by slotserve_q8_repack: y[:, 0:n] = x @ W^T, the
    groups of 16 rows split over `threads` as that function splits its tiles. */
 int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int64_t k,
@@ -585,23 +307,16 @@ int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int6
     int rc = rp_check(type, n, k, row_bytes, &t);
     if (rc) return rc;
     if (m < 0 || (m > 1 && ldy < n)) return QMM_BAD_SHAPE;
-    int64_t arb = act_row_bytes(slotserve_q8_act_kind(type), k), nb = k / t->block;
+    int64_t arb = act_row_bytes(slotserve_q8_act_kind(type), k);
     if (act_len < m * arb) return QMM_SMALL_SCRATCH;
-    int64_t mb = Q8_X_BLOCK_BYTES / arb;
-    mb = mb < RP_MR ? RP_MR : mb / RP_MR * RP_MR;
     int64_t groups = n / RP_ROWS;
-    int parts = threads < 1 ? 1 : threads > groups ? (int)(groups < 1 ? 1 : groups) : threads;
-    rp_mm_fn fn = rp_kernel(type);
+    int parts = clamp_parts(threads, groups);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
 #endif
-    for (int part = 0; part < parts; part++) {
-        int64_t lo = groups * part / parts, hi = groups * (part + 1) / parts;
-        for (int64_t m0 = 0; m0 < m; m0 += mb) {
-            int64_t m1 = m - m0 < mb ? m : m0 + mb;
-            fn(wp, nb, act, arb, k, m0, m1, y, ldy, lo, hi);
-        }
-    }
+    for (int part = 0; part < parts; part++)
+        rp_rows(type, t, wp, k, act, arb, m, y, ldy, groups * part / parts,
+                groups * (part + 1) / parts);
     return QMM_OK;
 #else
     (void)type; (void)wp; (void)n; (void)k; (void)row_bytes; (void)act; (void)act_len;
@@ -609,3 +324,5 @@ int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int6
     return QMM_BAD_TYPE;
 #endif
 }
+
+#include "q8call.h"
