@@ -14,8 +14,10 @@
  *
  * The cache rows may be stored as float32, bfloat16, float16 or int8 (q8_0 blocks along the
  * row, the head_dim values then their float16 scales; models/kv_storage.py): each is widened
- * to float32 as it is read, 16 values at a time, int8 values times their block's scale. One body serves every storage type: the type is a constant argument of an
- * always-inlined function, so each gets its own loops.
+ * to float32 as it is read, 16 values at a time (named vector instructions on the x86 levels),
+ * int8 values times their block's scale. Each row is widened once for all the query heads that
+ * share its KV head (GQA). One body serves every storage type: the type is a constant argument
+ * of an always-inlined function, so each gets its own loops.
  *
  * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
  * lengths, block ids, the scratch size they need) is checked here, before any memory is read.
@@ -25,6 +27,9 @@
 #include <string.h>
 #include <math.h>
 #include "simd.h"
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
 #ifdef USE_MVEC
 __attribute__((simd("notinbranch"))) float expf(float);
 #endif
@@ -43,6 +48,44 @@ typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
 typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
 typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
 
+/* 16 float16 / int8 values widened to floats. GCC 12 lowers __builtin_convertvector of these
+   types to one scalar conversion per lane (8x slower than a float32 cache at batch 32), so the
+   x86 levels name the vector instructions: AVX-512 converts 16 lanes at once, AVX2 + F16C two
+   halves of 8. The conversions are exact, so every path gives the same bits. */
+#if defined(__AVX512F__)
+static inline v16 f16_to_v16(const char* p) {
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+static inline v16 i8_to_v16(const char* p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+typedef union { v16 v; __m256 h[2]; } v16_halves;
+static inline v16 f16_to_v16(const char* p) {
+    v16_halves r;
+    r.h[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    r.h[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+    return r.v;
+}
+static inline v16 i8_to_v16(const char* p) {
+    v16_halves r;
+    r.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    r.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+    return r.v;
+}
+#else
+static inline v16 f16_to_v16(const char* p) {
+    v16f16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, v16);
+}
+static inline v16 i8_to_v16(const char* p) {
+    v16i8 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, v16);
+}
+#endif
+
 /* Values c*16 .. c*16+15 of a cache row, as floats. */
 static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t c,
                                                          const int kvt) {
@@ -51,8 +94,8 @@ static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t
         v16i bits = __builtin_convertvector(((const v16u16*)row)[c], v16i) << 16;
         return (v16)bits;
     }
-    if (kvt == KV_F16) return __builtin_convertvector(((const v16f16*)row)[c], v16);
-    return __builtin_convertvector(((const v16i8*)row)[c], v16);
+    if (kvt == KV_F16) return f16_to_v16(row + 32 * c);
+    return i8_to_v16(row + 16 * c);
 }
 
 /* The float16 scale of q8_0 block `blk` of an int8 row (1 for the other types): the scales
@@ -63,6 +106,17 @@ static inline __attribute__((always_inline)) float block_scale(const char* row, 
     _Float16 s;
     memcpy(&s, row + head_dim + 2 * blk, sizeof s);
     return (float)s;
+}
+
+/* A K or V row as floats, widened once for all `groups` query heads that read it (GQA) into
+   `buf`, with its block scales in `sc`; a float32 row is used where it lies. */
+static inline __attribute__((always_inline)) const v16* widen_row(
+        const char* r, v16* buf, float* sc, int64_t nc, int64_t nblk, int64_t head_dim,
+        const int kvt) {
+    for (int64_t bk = 0; bk < nblk; bk++) sc[bk] = block_scale(r, bk, head_dim, kvt);
+    if (kvt == KV_F32) return (const v16*)r;
+    for (int64_t c = 0; c < nc; c++) buf[c] = load16(r, c, kvt);
+    return buf;
 }
 
 /* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
@@ -83,6 +137,8 @@ static inline __attribute__((always_inline)) int decode(
     int64_t qk = kvt == KV_INT8 && head_dim % 32 == 0 ? 32 : head_dim;
     int64_t nblk = head_dim / qk, cpb = qk / 16;
     int64_t tok_stride = kvh * row_bytes, blk_stride = bs * tok_stride;
+    v16 row[kvt == KV_F32 ? 1 : nc];  /* one K or V row widened, shared by its query heads */
+    float sc[nblk];
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx_lens[b];
         if (n < 1 || n > max_blocks * bs) return SLOTSERVE_BAD_CTX_LEN;
@@ -101,15 +157,16 @@ static inline __attribute__((always_inline)) int decode(
             int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
-                for (int64_t hq = 0; hq < nh; hq++) {
-                    const char* kr = blk + i * tok_stride + hq / groups * row_bytes;
-                    const v16* qv = (const v16*)(qb + hq * head_dim);
-                    v16 acc = (v16){0};
-                    for (int64_t blk = 0, c = 0; blk < nblk; blk++) {
-                        float sc = block_scale(kr, blk, head_dim, kvt);
-                        for (int64_t j = 0; j < cpb; j++, c++) acc += qv[c] * load16(kr, c, kvt) * sc;
+                for (int64_t g = 0; g < kvh; g++) {
+                    const v16* kv = widen_row(blk + i * tok_stride + g * row_bytes, row, sc,
+                                              nc, nblk, head_dim, kvt);
+                    for (int64_t hq = g * groups; hq < (g + 1) * groups; hq++) {
+                        const v16* qv = (const v16*)(qb + hq * head_dim);
+                        v16 acc = (v16){0};
+                        for (int64_t bk = 0, c = 0; bk < nblk; bk++)
+                            for (int64_t j = 0; j < cpb; j++, c++) acc += qv[c] * kv[c] * sc[bk];
+                        p[hq * span + t0 + i - lo] = scale * hsum(acc);
                     }
-                    p[hq * span + t0 + i - lo] = scale * hsum(acc);
                 }
             }
         }
@@ -130,13 +187,15 @@ static inline __attribute__((always_inline)) int decode(
             int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
-                for (int64_t hq = 0; hq < nh; hq++) {
-                    const char* vr = blk + i * tok_stride + hq / groups * row_bytes;
-                    float pw = p[hq * span + t0 + i - lo];
-                    for (int64_t blk = 0, c = 0; blk < nblk; blk++) {
-                        v16 w = (v16){0} + pw * block_scale(vr, blk, head_dim, kvt);
-                        for (int64_t j = 0; j < cpb; j++, c++)
-                            acc[hq * nc + c] += w * load16(vr, c, kvt);
+                for (int64_t g = 0; g < kvh; g++) {
+                    const v16* vv = widen_row(blk + i * tok_stride + g * row_bytes, row, sc,
+                                              nc, nblk, head_dim, kvt);
+                    for (int64_t hq = g * groups; hq < (g + 1) * groups; hq++) {
+                        float pw = p[hq * span + t0 + i - lo];
+                        for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
+                            v16 w = (v16){0} + pw * sc[bk];
+                            for (int64_t j = 0; j < cpb; j++, c++) acc[hq * nc + c] += w * vv[c];
+                        }
                     }
                 }
             }
