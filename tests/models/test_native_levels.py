@@ -84,9 +84,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table:
     return out
 
 
-# (query heads, KV heads, head_dim, block size): odd head counts, GQA ratios 1, 3, 4 and 5,
-# head_dims of one 16-lane chunk, of no multiple of 32 (one int8 block per row) and Gemma's 256.
-SHAPES = [(3, 3, 16, 5), (6, 2, 48, 4), (4, 1, 256, 16), (5, 1, 32, 7), (8, 2, 64, 3)]
+# (query heads, KV heads, head_dim, block size): odd head counts, GQA ratios 1, 3, 4, 5 and 6
+# (the kernel takes query heads in tiles of up to 4: 5 = 4 + 1, 6 = 4 + 2), head_dims of one
+# 16-lane chunk, of no multiple of 32 (one int8 block per row) and Gemma's 256.
+SHAPES = [(3, 3, 16, 5), (6, 2, 48, 4), (4, 1, 256, 16), (5, 1, 32, 7), (8, 2, 64, 3),
+          (12, 2, 32, 4)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))

@@ -16,7 +16,7 @@
  * row, the head_dim values then their float16 scales; models/kv_storage.py): each is widened
  * to float32 as it is read, 16 values at a time (named vector instructions on the x86 levels),
  * int8 values times their block's scale. Each row is widened once for all the query heads that
- * share its KV head (GQA). One body serves every storage type: the type is a constant argument
+ * share its KV head (GQA), in tiles of up to four heads whose sums stay in registers. One body serves every storage type: the type is a constant argument
  * of an always-inlined function, so each gets its own loops.
  *
  * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
@@ -108,16 +108,56 @@ static inline __attribute__((always_inline)) float block_scale(const char* row, 
     return (float)s;
 }
 
-/* A K or V row as floats, widened once for all `groups` query heads that read it (GQA) into
-   `buf`, with its block scales in `sc`; a float32 row is used where it lies. */
-static inline __attribute__((always_inline)) const v16* widen_row(
-        const char* r, v16* buf, float* sc, int64_t nc, int64_t nblk, int64_t head_dim,
-        const int kvt) {
-    for (int64_t bk = 0; bk < nblk; bk++) sc[bk] = block_scale(r, bk, head_dim, kvt);
-    if (kvt == KV_F32) return (const v16*)r;
-    for (int64_t c = 0; c < nc; c++) buf[c] = load16(r, c, kvt);
-    return buf;
+/* Query heads are handled in tiles of up to HT that share one KV head (GQA): each value of
+   a K or V row is widened once and used by every head of the tile, with the tile's
+   accumulators in registers. Per head and lane the sums run in the same order as one head at
+   a time would (chunks for a score, tokens for an output), so the bits do not depend on the
+   tiling. */
+enum { HT = 4 };
+
+/* Scores of query heads h0 .. h0 + nt - 1 against one K row `kr`, into p[h * span + at]. */
+static inline __attribute__((always_inline)) void score_tile(
+        const char* kr, const float* qb, int64_t h0, const int nt, int64_t nblk, int64_t cpb,
+        int64_t head_dim, float scale, float* p, int64_t span, int64_t at, const int kvt) {
+    v16 a[HT];
+    for (int h = 0; h < nt; h++) a[h] = (v16){0};
+    for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
+        float sc = block_scale(kr, bk, head_dim, kvt);
+        for (int64_t j = 0; j < cpb; j++, c++) {
+            v16 x = load16(kr, c, kvt);
+            for (int h = 0; h < nt; h++)
+                a[h] += ((const v16*)(qb + (h0 + h) * head_dim))[c] * x * sc;
+        }
+    }
+    for (int h = 0; h < nt; h++) p[(h0 + h) * span + at] = scale * hsum(a[h]);
 }
+
+/* acc[h] += p[h][i] * V row `vr` for the heads h0 .. h0 + nt - 1 (probabilities
+   p[h * span + at]): the row's rows are read front to back, as they lie in memory. */
+static inline __attribute__((always_inline)) void value_tile(
+        const char* vr, const float* p, int64_t span, int64_t at, int64_t h0, const int nt,
+        v16* acc, int64_t nc, int64_t nblk, int64_t cpb, int64_t head_dim, const int kvt) {
+    float pw[HT];
+    for (int h = 0; h < nt; h++) pw[h] = p[(h0 + h) * span + at];
+    for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
+        float sc = block_scale(vr, bk, head_dim, kvt);
+        v16 w[HT];
+        for (int h = 0; h < nt; h++) w[h] = (v16){0} + pw[h] * sc;
+        for (int64_t j = 0; j < cpb; j++, c++) {
+            v16 x = load16(vr, c, kvt);
+            for (int h = 0; h < nt; h++) acc[(h0 + h) * nc + c] += w[h] * x;
+        }
+    }
+}
+
+/* The tile functions with their head count a constant, so each unrolls into registers. */
+#define BY_TILE(nt, call) \
+    switch (nt) { \
+    case 4: call(4); break; \
+    case 3: call(3); break; \
+    case 2: call(2); break; \
+    default: call(1); break; \
+    }
 
 /* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
    while a block's row i is used, row i of the sequence's next block is requested. */
@@ -137,8 +177,6 @@ static inline __attribute__((always_inline)) int decode(
     int64_t qk = kvt == KV_INT8 && head_dim % 32 == 0 ? 32 : head_dim;
     int64_t nblk = head_dim / qk, cpb = qk / 16;
     int64_t tok_stride = kvh * row_bytes, blk_stride = bs * tok_stride;
-    v16 row[kvt == KV_F32 ? 1 : nc];  /* one K or V row widened, shared by its query heads */
-    float sc[nblk];
     for (int64_t b = b0; b < b1; b++) {
         int64_t n = ctx_lens[b];
         if (n < 1 || n > max_blocks * bs) return SLOTSERVE_BAD_CTX_LEN;
@@ -158,14 +196,13 @@ static inline __attribute__((always_inline)) int decode(
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
                 for (int64_t g = 0; g < kvh; g++) {
-                    const v16* kv = widen_row(blk + i * tok_stride + g * row_bytes, row, sc,
-                                              nc, nblk, head_dim, kvt);
-                    for (int64_t hq = g * groups; hq < (g + 1) * groups; hq++) {
-                        const v16* qv = (const v16*)(qb + hq * head_dim);
-                        v16 acc = (v16){0};
-                        for (int64_t bk = 0, c = 0; bk < nblk; bk++)
-                            for (int64_t j = 0; j < cpb; j++, c++) acc += qv[c] * kv[c] * sc[bk];
-                        p[hq * span + t0 + i - lo] = scale * hsum(acc);
+                    const char* kr = blk + i * tok_stride + g * row_bytes;
+                    for (int64_t h0 = g * groups; h0 < (g + 1) * groups; h0 += HT) {
+                        int64_t left = (g + 1) * groups - h0;
+#define SCORE(nt) score_tile(kr, qb, h0, nt, nblk, cpb, head_dim, scale, p, span, \
+                             t0 + i - lo, kvt)
+                        BY_TILE(left < HT ? left : HT, SCORE)
+#undef SCORE
                     }
                 }
             }
@@ -188,14 +225,13 @@ static inline __attribute__((always_inline)) int decode(
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
                 for (int64_t g = 0; g < kvh; g++) {
-                    const v16* vv = widen_row(blk + i * tok_stride + g * row_bytes, row, sc,
-                                              nc, nblk, head_dim, kvt);
-                    for (int64_t hq = g * groups; hq < (g + 1) * groups; hq++) {
-                        float pw = p[hq * span + t0 + i - lo];
-                        for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
-                            v16 w = (v16){0} + pw * sc[bk];
-                            for (int64_t j = 0; j < cpb; j++, c++) acc[hq * nc + c] += w * vv[c];
-                        }
+                    const char* vr = blk + i * tok_stride + g * row_bytes;
+                    for (int64_t h0 = g * groups; h0 < (g + 1) * groups; h0 += HT) {
+                        int64_t left = (g + 1) * groups - h0;
+#define VALUE(nt) value_tile(vr, p, span, t0 + i - lo, h0, nt, acc, nc, nblk, cpb, \
+                             head_dim, kvt)
+                        BY_TILE(left < HT ? left : HT, VALUE)
+#undef VALUE
                     }
                 }
             }
@@ -203,6 +239,7 @@ static inline __attribute__((always_inline)) int decode(
     }
     return SLOTSERVE_OK;
 }
+
 
 /* q [nd, kvh * groups, head_dim] (rows q_stride floats apart, heads contiguous),
    caches [num_blocks, bs, kvh, row_bytes] contiguous in storage type kv_dtype (the enum
