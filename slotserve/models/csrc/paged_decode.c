@@ -124,9 +124,8 @@ static inline __attribute__((always_inline)) void score_tile(
     for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
         float sc = block_scale(kr, bk, head_dim, kvt);
         for (int64_t j = 0; j < cpb; j++, c++) {
-            v16 x = load16(kr, c, kvt);
-            for (int h = 0; h < nt; h++)
-                a[h] += ((const v16*)(qb + (h0 + h) * head_dim))[c] * x * sc;
+            v16 x = load16(kr, c, kvt) * sc;  /* scaled once for the tile (int8 only) */
+            for (int h = 0; h < nt; h++) a[h] += ((const v16*)(qb + (h0 + h) * head_dim))[c] * x;
         }
     }
     for (int h = 0; h < nt; h++) p[(h0 + h) * span + at] = scale * hsum(a[h]);
