@@ -16,8 +16,9 @@
  * row, the head_dim values then their float16 scales; models/kv_storage.py): each is widened
  * to float32 as it is read, 16 values at a time (named vector instructions on the x86 levels),
  * int8 values times their block's scale. Each row is widened once for all the query heads that
- * share its KV head (GQA), in tiles of up to four heads whose sums stay in registers. One body serves every storage type: the type is a constant argument
- * of an always-inlined function, so each gets its own loops.
+ * share its KV head (GQA), in tiles of up to four heads whose sums stay in registers. One
+ * body serves every storage type: the type is a constant argument of an always-inlined
+ * function, so each gets its own loops.
  *
  * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
  * lengths, block ids, the scratch size they need) is checked here, before any memory is read.
