@@ -94,9 +94,52 @@ def native_decode_supported(dtype: torch.dtype, device: torch.device, head_dim: 
     return _native_fn is not False
 
 
-def _check(ok: bool, what: str) -> None:
-    if not ok:
-        raise NativeKernelError(f"native paged decode: {what}")
+def _fail(what: str) -> NativeKernelError:
+    return NativeKernelError(f"native paged decode: {what}")
+
+
+_F32, _I64 = torch.float32, torch.int64
+
+
+def _why_not(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             block_table: torch.Tensor, ctx_lens: torch.Tensor, window: int | None,
+             out: torch.Tensor, scratch: torch.Tensor) -> str | None:
+    """What is wrong with the arguments, or None. Called every layer of every step, so it is
+    plain comparisons in a chain that stops at the first failure; messages are built only
+    then."""
+    if query.dim() != 3 or k_cache.dim() != 4 or block_table.dim() != 2 \
+            or ctx_lens.dim() != 1 or out.dim() != 2 or scratch.dim() != 2:
+        return "bad ranks"
+    nd, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, row = k_cache.shape
+    if query.dtype != _F32 or out.dtype != _F32 or scratch.dtype != _F32 \
+            or not (query.is_cpu and out.is_cpu and scratch.is_cpu):
+        return "query, out and scratch must be float32 CPU tensors"
+    if k_cache.dtype not in KV_CODES or v_cache.dtype != k_cache.dtype \
+            or not (k_cache.is_cpu and v_cache.is_cpu):
+        return ("the caches must be CPU tensors of one storage type: float32, bfloat16, "
+                "float16, int8")
+    if block_table.dtype != _I64 or ctx_lens.dtype != _I64 \
+            or not (block_table.is_cpu and ctx_lens.is_cpu):
+        return "block_table and ctx_lens must be int64 CPU tensors"
+    if v_cache.shape != k_cache.shape or not k_cache.is_contiguous() \
+            or not v_cache.is_contiguous():
+        return "K and V caches must be contiguous and alike"
+    if row != row_elems(head_dim, k_cache.dtype) or head_dim % 16 or num_heads % num_kv_heads:
+        return (f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)} "
+                "(head_dim a multiple of 16, heads a multiple of KV heads)")
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        return "query heads not contiguous"
+    if block_table.shape[0] != nd or not block_table.is_contiguous() \
+            or ctx_lens.shape[0] != nd or not ctx_lens.is_contiguous():
+        return "block_table must be [nd, max_blocks] and ctx_lens [nd], contiguous"
+    if out.shape[0] != nd or out.shape[1] != num_heads * head_dim or out.stride(1) != 1:
+        return f"out must be [{nd}, {num_heads * head_dim}] with contiguous rows"
+    if not scratch.is_contiguous() or scratch.shape[0] < 1:
+        return "scratch must be contiguous"
+    if window is not None and window < 0:
+        return "window must be None or >= 0"
+    return None
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -116,33 +159,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not callable(fn):
         raise NativeKernelError("native paged decode: called before native_decode_supported() "
                                 "built the kernel")
-    _check(query.dim() == 3 and k_cache.dim() == 4 and block_table.dim() == 2
-           and ctx_lens.dim() == 1 and out.dim() == 2 and scratch.dim() == 2, "bad ranks")
+    problem = _why_not(query, k_cache, v_cache, block_table, ctx_lens, window, out, scratch)
+    if problem is not None:
+        raise _fail(problem)
     nd, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, row = k_cache.shape
-    _check(all(t.dtype == torch.float32 and t.device.type == "cpu"
-               for t in (query, out, scratch)),
-           "query, out and scratch must be float32 CPU tensors")
-    _check(k_cache.dtype in KV_CODES and v_cache.dtype == k_cache.dtype
-           and k_cache.device.type == v_cache.device.type == "cpu",
-           "the caches must be CPU tensors of one storage type: float32, bfloat16, float16, "
-           "int8")
-    _check(block_table.dtype == ctx_lens.dtype == torch.int64
-           and block_table.device.type == ctx_lens.device.type == "cpu",
-           "block_table and ctx_lens must be int64 CPU tensors")
-    _check(v_cache.shape == k_cache.shape and k_cache.is_contiguous()
-           and v_cache.is_contiguous(), "K and V caches must be contiguous and alike")
-    _check(row == row_elems(head_dim, k_cache.dtype) and head_dim % 16 == 0 and num_heads % num_kv_heads == 0,
-           f"query {tuple(query.shape)} does not fit the cache {tuple(k_cache.shape)} "
-           "(head_dim a multiple of 16, heads a multiple of KV heads)")
-    _check(query.stride(2) == 1 and query.stride(1) == head_dim, "query heads not contiguous")
-    _check(block_table.shape[0] == nd and block_table.is_contiguous()
-           and tuple(ctx_lens.shape) == (nd,) and ctx_lens.is_contiguous(),
-           "block_table must be [nd, max_blocks] and ctx_lens [nd], contiguous")
-    _check(tuple(out.shape) == (nd, num_heads * head_dim) and out.stride(1) == 1,
-           f"out must be [{nd}, {num_heads * head_dim}] with contiguous rows")
-    _check(scratch.is_contiguous() and scratch.shape[0] >= 1, "scratch must be contiguous")
-    _check(window is None or window >= 0, "window must be None or >= 0")
     max_blocks, per_thread = block_table.shape[1], scratch.shape[1]
 
     def run(part: int, b0: int, b1: int) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from slotserve.models import native_attention, native_build
+from slotserve.models.kv_storage import dequantize_rows, quantize_rows
 
 LEVELS = native_build.supported_levels()
 
@@ -66,6 +67,68 @@ def test_decode_attention_at_every_level(cc: str, tmp_path: Path, monkeypatch: p
                                   torch.zeros(1, heads * 12))
     want = dense_decode(q, k_cache, v_cache, table, ctx_lens, 0.2)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def level_kernel(cc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 level: native_build.CpuLevel) -> None:
+    lib = native_build.compile_library(native_attention.KERNEL, cc, tmp_path, level)
+    monkeypatch.setattr(native_attention, "_native_fn", native_attention._load(lib))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+           ctx_lens: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"))
+    scratch = torch.zeros(1, q.shape[1] * int(ctx_lens.max()))
+    native_attention.paged_decode(q, k_cache, v_cache, table, ctx_lens, window, 0.3, out,
+                                  scratch)
+    return out
+
+
+# (query heads, KV heads, head_dim, block size): odd head counts, GQA ratios 1, 3, 4, 5 and 6
+# (the kernel takes query heads in tiles of up to 4: 5 = 4 + 1, 6 = 4 + 2), head_dims of one
+# 16-lane chunk, of no multiple of 32 (one int8 block per row) and Gemma's 256.
+SHAPES = [(3, 3, 16, 5), (6, 2, 48, 4), (4, 1, 256, 16), (5, 1, 32, 7), (8, 2, 64, 3),
+          (12, 2, 32, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.int8],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
+def test_each_kv_dtype_reads_as_its_float32_values(cc: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   level: native_build.CpuLevel,
+                                                   kv_dtype: torch.dtype,
+                                                   shape: tuple[int, int, int, int]) -> None:
+    """At every level a 16- or 8-bit cache gives what a float32 cache holding the values it
+    stores gives: bit for bit for the 16-bit types (the widening is exact and the arithmetic
+    the same), within float rounding for int8 (its scale is applied after the dot product).
+    Contexts end inside, at the end of and at the start of a block, one under a window."""
+    heads, kvh, dim, bs = shape
+    level_kernel(cc, tmp_path, monkeypatch, level)
+    gen = torch.Generator().manual_seed(heads * dim + bs)
+    nd, nblocks = 4, 40
+    x_k = torch.randn(nblocks, bs, kvh, dim, generator=gen)
+    x_v = torch.randn(nblocks, bs, kvh, dim, generator=gen)
+    if kv_dtype == torch.int8:
+        k_cache, v_cache = quantize_rows(x_k), quantize_rows(x_v)
+        k32, v32 = (dequantize_rows(c, dim, torch.float32) for c in (k_cache, v_cache))
+    else:
+        k_cache, v_cache = x_k.to(kv_dtype), x_v.to(kv_dtype)
+        k32, v32 = k_cache.float(), v_cache.float()
+    q = torch.randn(nd, heads, dim, generator=gen)
+    table = torch.randperm(nblocks, generator=gen)[:nd * 10].reshape(nd, 10)
+    ctx_lens = torch.tensor([3 * bs - 1, 2 * bs, 4 * bs + 1, 1])
+    for window in (None, bs + 2):
+        got = decode(q, k_cache, v_cache, table, ctx_lens, window)
+        want = decode(q, k32, v32, table, ctx_lens, window)
+        if kv_dtype == torch.int8:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want)
+    full = dense_decode(q, k32, v32, table, ctx_lens, 0.3)
+    torch.testing.assert_close(decode(q, k_cache, v_cache, table, ctx_lens).double(), full,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_levels_are_cached_apart(cc: str, tmp_path: Path) -> None:

@@ -14,8 +14,11 @@
  *
  * The cache rows may be stored as float32, bfloat16, float16 or int8 (q8_0 blocks along the
  * row, the head_dim values then their float16 scales; models/kv_storage.py): each is widened
- * to float32 as it is read, 16 values at a time, int8 values times their block's scale. One body serves every storage type: the type is a constant argument of an
- * always-inlined function, so each gets its own loops.
+ * to float32 as it is read, 16 values at a time (named vector instructions on the x86 levels),
+ * int8 values times their block's scale. Each row is widened once for all the query heads that
+ * share its KV head (GQA), in tiles of up to four heads whose sums stay in registers. One
+ * body serves every storage type: the type is a constant argument of an always-inlined
+ * function, so each gets its own loops.
  *
  * The Python caller checks shapes, strides and dtypes; what only the data can tell (context
  * lengths, block ids, the scratch size they need) is checked here, before any memory is read.
@@ -25,6 +28,9 @@
 #include <string.h>
 #include <math.h>
 #include "simd.h"
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
 #ifdef USE_MVEC
 __attribute__((simd("notinbranch"))) float expf(float);
 #endif
@@ -43,6 +49,44 @@ typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
 typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
 typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
 
+/* 16 float16 / int8 values widened to floats. GCC 12 lowers __builtin_convertvector of these
+   types to one scalar conversion per lane (8x slower than a float32 cache at batch 32), so the
+   x86 levels name the vector instructions: AVX-512 converts 16 lanes at once, AVX2 + F16C two
+   halves of 8. The conversions are exact, so every path gives the same bits. */
+#if defined(__AVX512F__)
+static inline v16 f16_to_v16(const char* p) {
+    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+static inline v16 i8_to_v16(const char* p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+typedef union { v16 v; __m256 h[2]; } v16_halves;
+static inline v16 f16_to_v16(const char* p) {
+    v16_halves r;
+    r.h[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    r.h[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+    return r.v;
+}
+static inline v16 i8_to_v16(const char* p) {
+    v16_halves r;
+    r.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    r.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+    return r.v;
+}
+#else
+static inline v16 f16_to_v16(const char* p) {
+    v16f16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, v16);
+}
+static inline v16 i8_to_v16(const char* p) {
+    v16i8 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, v16);
+}
+#endif
+
 /* Values c*16 .. c*16+15 of a cache row, as floats. */
 static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t c,
                                                          const int kvt) {
@@ -51,8 +95,8 @@ static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t
         v16i bits = __builtin_convertvector(((const v16u16*)row)[c], v16i) << 16;
         return (v16)bits;
     }
-    if (kvt == KV_F16) return __builtin_convertvector(((const v16f16*)row)[c], v16);
-    return __builtin_convertvector(((const v16i8*)row)[c], v16);
+    if (kvt == KV_F16) return f16_to_v16(row + 32 * c);
+    return i8_to_v16(row + 16 * c);
 }
 
 /* The float16 scale of q8_0 block `blk` of an int8 row (1 for the other types): the scales
@@ -64,6 +108,56 @@ static inline __attribute__((always_inline)) float block_scale(const char* row, 
     memcpy(&s, row + head_dim + 2 * blk, sizeof s);
     return (float)s;
 }
+
+/* Query heads are handled in tiles of up to HT that share one KV head (GQA): each value of
+   a K or V row is widened once and used by every head of the tile, with the tile's
+   accumulators in registers. Per head and lane the sums run in the same order as one head at
+   a time would (chunks for a score, tokens for an output), so the bits do not depend on the
+   tiling. */
+enum { HT = 4 };
+
+/* Scores of query heads h0 .. h0 + nt - 1 against one K row `kr`, into p[h * span + at]. */
+static inline __attribute__((always_inline)) void score_tile(
+        const char* kr, const float* qb, int64_t h0, const int nt, int64_t nblk, int64_t cpb,
+        int64_t head_dim, float scale, float* p, int64_t span, int64_t at, const int kvt) {
+    v16 a[HT];
+    for (int h = 0; h < nt; h++) a[h] = (v16){0};
+    for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
+        float sc = block_scale(kr, bk, head_dim, kvt);
+        for (int64_t j = 0; j < cpb; j++, c++) {
+            v16 x = load16(kr, c, kvt) * sc;  /* scaled once for the tile (int8 only) */
+            for (int h = 0; h < nt; h++) a[h] += ((const v16*)(qb + (h0 + h) * head_dim))[c] * x;
+        }
+    }
+    for (int h = 0; h < nt; h++) p[(h0 + h) * span + at] = scale * hsum(a[h]);
+}
+
+/* acc[h] += p[h][i] * V row `vr` for the heads h0 .. h0 + nt - 1 (probabilities
+   p[h * span + at]): the row's rows are read front to back, as they lie in memory. */
+static inline __attribute__((always_inline)) void value_tile(
+        const char* vr, const float* p, int64_t span, int64_t at, int64_t h0, const int nt,
+        v16* acc, int64_t nc, int64_t nblk, int64_t cpb, int64_t head_dim, const int kvt) {
+    float pw[HT];
+    for (int h = 0; h < nt; h++) pw[h] = p[(h0 + h) * span + at];
+    for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
+        float sc = block_scale(vr, bk, head_dim, kvt);
+        v16 w[HT];
+        for (int h = 0; h < nt; h++) w[h] = (v16){0} + pw[h] * sc;
+        for (int64_t j = 0; j < cpb; j++, c++) {
+            v16 x = load16(vr, c, kvt);
+            for (int h = 0; h < nt; h++) acc[(h0 + h) * nc + c] += w[h] * x;
+        }
+    }
+}
+
+/* The tile functions with their head count a constant, so each unrolls into registers. */
+#define BY_TILE(nt, call) \
+    switch (nt) { \
+    case 4: call(4); break; \
+    case 3: call(3); break; \
+    case 2: call(2); break; \
+    default: call(1); break; \
+    }
 
 /* Blocks sit at random places, so the hardware prefetcher stalls at every block start:
    while a block's row i is used, row i of the sequence's next block is requested. */
@@ -101,15 +195,15 @@ static inline __attribute__((always_inline)) int decode(
             int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
-                for (int64_t hq = 0; hq < nh; hq++) {
-                    const char* kr = blk + i * tok_stride + hq / groups * row_bytes;
-                    const v16* qv = (const v16*)(qb + hq * head_dim);
-                    v16 acc = (v16){0};
-                    for (int64_t blk = 0, c = 0; blk < nblk; blk++) {
-                        float sc = block_scale(kr, blk, head_dim, kvt);
-                        for (int64_t j = 0; j < cpb; j++, c++) acc += qv[c] * load16(kr, c, kvt) * sc;
+                for (int64_t g = 0; g < kvh; g++) {
+                    const char* kr = blk + i * tok_stride + g * row_bytes;
+                    for (int64_t h0 = g * groups; h0 < (g + 1) * groups; h0 += HT) {
+                        int64_t left = (g + 1) * groups - h0;
+#define SCORE(nt) score_tile(kr, qb, h0, nt, nblk, cpb, head_dim, scale, p, span, \
+                             t0 + i - lo, kvt)
+                        BY_TILE(left < HT ? left : HT, SCORE)
+#undef SCORE
                     }
-                    p[hq * span + t0 + i - lo] = scale * hsum(acc);
                 }
             }
         }
@@ -130,13 +224,14 @@ static inline __attribute__((always_inline)) int decode(
             int64_t i0 = t0 < lo ? lo - t0 : 0, tn = n - t0 < bs ? n - t0 : bs;
             for (int64_t i = i0; i < tn; i++) {
                 PREFETCH_ROW(next + i * tok_stride);
-                for (int64_t hq = 0; hq < nh; hq++) {
-                    const char* vr = blk + i * tok_stride + hq / groups * row_bytes;
-                    float pw = p[hq * span + t0 + i - lo];
-                    for (int64_t blk = 0, c = 0; blk < nblk; blk++) {
-                        v16 w = (v16){0} + pw * block_scale(vr, blk, head_dim, kvt);
-                        for (int64_t j = 0; j < cpb; j++, c++)
-                            acc[hq * nc + c] += w * load16(vr, c, kvt);
+                for (int64_t g = 0; g < kvh; g++) {
+                    const char* vr = blk + i * tok_stride + g * row_bytes;
+                    for (int64_t h0 = g * groups; h0 < (g + 1) * groups; h0 += HT) {
+                        int64_t left = (g + 1) * groups - h0;
+#define VALUE(nt) value_tile(vr, p, span, t0 + i - lo, h0, nt, acc, nc, nblk, cpb, \
+                             head_dim, kvt)
+                        BY_TILE(left < HT ? left : HT, VALUE)
+#undef VALUE
                     }
                 }
             }
@@ -144,6 +239,7 @@ static inline __attribute__((always_inline)) int decode(
     }
     return SLOTSERVE_OK;
 }
+
 
 /* q [nd, kvh * groups, head_dim] (rows q_stride floats apart, heads contiguous),
    caches [num_blocks, bs, kvh, row_bytes] contiguous in storage type kv_dtype (the enum
