@@ -1,0 +1,132 @@
+/* Batched LoRA (punica's bgmv, shrink then expand) for float32 on the CPU.
+ *
+ * For every row t of the batch whose adapter slot s = slot_of[t] is >= 0, and every shard k
+ * of the wrapped projection (q/k/v of a fused qkv, gate/up, or one module):
+ *     y[t, cols[k]:cols[k+1]] += Bt[s, k]^T @ (A[s, k] @ x[t])
+ * at the slot's own rank ranks[s, k] (0: the adapter skips that shard), never the padded
+ * max_rank R. Rows of the base model (slot -1) are skipped. B comes pre-scaled by the
+ * module's alpha / r (lora/adapters.py), so the scale is part of Bt.
+ *
+ * Layout (lora/native_bgmv.py fills it): A [slots, shards, R, in] (a shard's rank rows, then
+ * padding never read); Bt [slots, R * out], shard k at offset R * cols[k] as [rank, width]
+ * rows (width = cols[k+1] - cols[k]): B transposed, so the expand runs along contiguous
+ * output columns. Consecutive rows of one slot (the runner orders rows by slot) go in
+ * blocks of up to RB: each A and Bt row read once per block, and the block's x rows are
+ * read once for all shards (the q/k/v shrinks share them).
+ */
+#include <stdint.h>
+#include "simd.h"
+
+#define RB 4
+
+static inline v16 load16(const float *p) { return *(const v16 *)p; }
+static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
+
+/* t[i * ld + j] = A row j . x row i, for nb rows and r rank rows of length n. */
+static inline __attribute__((always_inline)) void shrink(
+        const float *const *xr, const float *a, int64_t n, int64_t r, float *t, int64_t ld,
+        const int nb) {
+    for (int64_t j = 0; j < r; j++) {
+        const float *aj = a + j * n;
+        v16 acc[RB];
+        for (int i = 0; i < nb; i++) acc[i] = (v16){0};
+        int64_t c = 0;
+        for (; c + 16 <= n; c += 16) {
+            v16 av = load16(aj + c);
+            for (int i = 0; i < nb; i++) acc[i] += av * load16(xr[i] + c);
+        }
+        for (int i = 0; i < nb; i++) {
+            float s = hsum(acc[i]);
+            for (int64_t cc = c; cc < n; cc++) s += aj[cc] * xr[i][cc];
+            t[i * ld + j] = s;
+        }
+    }
+}
+
+/* y row i [c0, c0 + w) += sum_j t[i * ld + j] * b[j * w + ...] for nb rows, rank r. */
+static inline __attribute__((always_inline)) void expand(
+        float *const *y_rows, int64_t c0, const float *b, int64_t w, int64_t r, const float *t,
+        int64_t ld, const int nb) {
+    float *yr[RB];
+    for (int i = 0; i < nb; i++) yr[i] = y_rows[i] + c0;
+    int64_t c = 0;
+    for (; c + 64 <= w; c += 64) {  /* a 64-column tile: RB x 4 accumulators in registers */
+        v16 acc[RB][4];
+        for (int i = 0; i < nb; i++)
+            for (int v = 0; v < 4; v++) acc[i][v] = load16(yr[i] + c + 16 * v);
+        for (int64_t j = 0; j < r; j++) {
+            const float *bj = b + j * w + c;
+            v16 bv[4];
+            for (int v = 0; v < 4; v++) bv[v] = load16(bj + 16 * v);
+            for (int i = 0; i < nb; i++) {
+                float tij = t[i * ld + j];
+                for (int v = 0; v < 4; v++) acc[i][v] += tij * bv[v];
+            }
+        }
+        for (int i = 0; i < nb; i++)
+            for (int v = 0; v < 4; v++) store16(yr[i] + c + 16 * v, acc[i][v]);
+    }
+    for (; c + 16 <= w; c += 16) {
+        v16 acc[RB];
+        for (int i = 0; i < nb; i++) acc[i] = load16(yr[i] + c);
+        for (int64_t j = 0; j < r; j++) {
+            v16 bv = load16(b + j * w + c);
+            for (int i = 0; i < nb; i++) acc[i] += t[i * ld + j] * bv;
+        }
+        for (int i = 0; i < nb; i++) store16(yr[i] + c, acc[i]);
+    }
+    for (; c < w; c++)
+        for (int i = 0; i < nb; i++) {
+            float s = yr[i][c];
+            for (int64_t j = 0; j < r; j++) s += t[i * ld + j] * b[j * w + c];
+            yr[i][c] = s;
+        }
+}
+
+static inline __attribute__((always_inline)) void block(
+        const float *const *xr, float *const *yr, const float *a, const float *bt,
+        const int32_t *ranks, const int64_t *cols, int64_t shards, int64_t R, int64_t n_in,
+        float *t, const int nb) {
+    int64_t ld = shards * R;
+    for (int64_t k = 0; k < shards; k++)
+        if (ranks[k] > 0) shrink(xr, a + k * R * n_in, n_in, ranks[k], t + k * R, ld, nb);
+    for (int64_t k = 0; k < shards; k++)
+        if (ranks[k] > 0)
+            expand(yr, cols[k], bt + R * cols[k], cols[k + 1] - cols[k], ranks[k], t + k * R, ld, nb);
+}
+
+/* x [n, n_in] (row stride xs), y [n, cols[shards]] (row stride ys), slot_of [n]; a, bt,
+ * ranks [slots, shards] as above. Returns 0, or 1 + the first row whose slot is out of
+ * range (nothing of that row or after it applied). */
+int64_t slotserve_lora_bgmv(const float *x, int64_t xs, float *y, int64_t ys, int64_t n,
+                            const int64_t *slot_of, const float *a, const float *bt,
+                            const int32_t *ranks, const int64_t *cols, int64_t shards,
+                            int64_t R, int64_t n_in, int64_t n_slots) {
+    int64_t out = cols[shards];
+    float t[RB * shards * R];
+    int64_t t0 = 0;
+    while (t0 < n) {
+        int64_t s = slot_of[t0];
+        if (s < 0) { t0++; continue; }
+        if (s >= n_slots) return t0 + 1;
+        int64_t t1 = t0 + 1;
+        while (t1 < n && t1 - t0 < RB && slot_of[t1] == s) t1++;
+        const float *xr[RB];
+        float *yr[RB];
+        for (int64_t i = t0; i < t1; i++) {
+            xr[i - t0] = x + i * xs;
+            yr[i - t0] = y + i * ys;
+        }
+        const float *as = a + s * shards * R * n_in;
+        const float *bs = bt + s * R * out;
+        const int32_t *rs = ranks + s * shards;
+        switch (t1 - t0) {  /* constant block sizes: the accumulators stay in registers */
+        case 4: block(xr, yr, as, bs, rs, cols, shards, R, n_in, t, 4); break;
+        case 3: block(xr, yr, as, bs, rs, cols, shards, R, n_in, t, 3); break;
+        case 2: block(xr, yr, as, bs, rs, cols, shards, R, n_in, t, 2); break;
+        default: block(xr, yr, as, bs, rs, cols, shards, R, n_in, t, 1); break;
+        }
+        t0 = t1;
+    }
+    return 0;
+}
