@@ -1,7 +1,7 @@
 """The native batched LoRA kernel (`models/csrc/lora_bgmv.c`) for float32 on the CPU.
 
-`NativeLoRAWeights` holds one wrapped projection's slots in the kernel's layout (A [slots,
-shards, R, in]; B transposed and packed per shard, [slots, R * out]; each slot's rank per
+`NativeLoRAWeights` holds one wrapped projection's slots in the kernel's layout (A
+transposed, [slots, shards, in, R rounded up to 16 lanes]; B transposed and packed per shard, [slots, R * out]; each slot's rank per
 shard) and applies them to a step's rows in one call: shrink then expand for every row at its
 own adapter's rank, base rows skipped. The torch path (lora/layers.py) stays the reference
 and the fallback where the kernel does not build.
@@ -57,7 +57,7 @@ class NativeLoRAWeights:
         self.shards = len(widths)
         self.cols = np.concatenate(([0], np.cumsum(widths))).astype(np.int64)
         self.out = int(self.cols[-1])
-        self.a = torch.zeros(n_slots, self.shards, max_rank, n_in)
+        self.a = torch.zeros(n_slots, self.shards, n_in, -(-max_rank // 16) * 16)
         self.bt = torch.zeros(n_slots, max_rank * self.out)
         self.ranks = np.zeros((n_slots, self.shards), dtype=np.int32)
         # The buffers never move (slots are filled in place): their addresses are taken once.
@@ -77,7 +77,8 @@ class NativeLoRAWeights:
             raise NativeKernelError(f"lora_bgmv: A {tuple(a.shape)} / B {tuple(b.shape)} do "
                                     f"not fit shard {shard} ({c1 - c0} x {self.n_in}, rank "
                                     f"<= {self.rank})")
-        self.a[slot, shard, :r].copy_(a)
+        self.a[slot, shard].zero_()  # the lanes past r are computed: they must be zeros
+        self.a[slot, shard, :, :r].copy_(a.t())
         self.bt[slot, self.rank * c0:self.rank * c0 + r * (c1 - c0)].view(r, c1 - c0).copy_(
             b.t())
         self.ranks[slot, shard] = r

@@ -7,10 +7,11 @@
  * max_rank R. Rows of the base model (slot -1) are skipped. B comes pre-scaled by the
  * module's alpha / r (lora/adapters.py), so the scale is part of Bt.
  *
- * Layout (lora/native_bgmv.py fills it): A [slots, shards, R, in] (a shard's rank rows, then
- * padding never read); Bt [slots, R * out], shard k at offset R * cols[k] as [rank, width]
- * rows (width = cols[k+1] - cols[k]): B transposed, so the expand runs along contiguous
- * output columns. Consecutive rows of one slot (the runner orders rows by slot) go in
+ * Layout (lora/native_bgmv.py fills it): A transposed, [slots, shards, in, RP] with RP = R
+ * rounded up to the 16 lanes of a vector (a shard's ranks, then zeros to its vector's end:
+ * lanes past the rank are computed, never padding vectors up to R); Bt [slots, R * out],
+ * shard k at offset R * cols[k] as [rank, width] rows (width = cols[k+1] - cols[k]): B
+ * transposed, so the expand runs along contiguous output columns. Consecutive rows of one slot (the runner orders rows by slot) go in
  * blocks of up to RB: each A and Bt row read once per block, and the block's x rows are
  * read once for all shards (the q/k/v shrinks share them).
  */
@@ -22,24 +23,30 @@
 static inline v16 load16(const float *p) { return *(const v16 *)p; }
 static inline void store16(float *p, v16 v) { *(v16 *)p = v; }
 
-/* t[i * ld + j] = A row j . x row i, for nb rows and r rank rows of length n. */
+/* t[i * ld + j] = A row j . x row i for j < r (and 0 up to the vector's end), nb rows, A
+ * given transposed: at [n, rp], rank lanes contiguous. One FMA covers 16 ranks of one row
+ * (no horizontal sums); x's columns alternate between two accumulators per row, so a block
+ * keeps 2 * nb independent FMA chains in flight. */
 static inline __attribute__((always_inline)) void shrink(
-        const float *const *xr, const float *a, int64_t n, int64_t r, float *t, int64_t ld,
-        const int nb) {
-    for (int64_t j = 0; j < r; j++) {
-        const float *aj = a + j * n;
-        v16 acc[RB];
-        for (int i = 0; i < nb; i++) acc[i] = (v16){0};
+        const float *const *xr, const float *at, int64_t n, int64_t r, int64_t rp, float *t,
+        int64_t ld, const int nb) {
+    for (int64_t v = 0; v * 16 < r; v++) {
+        const float *a = at + 16 * v;
+        v16 acc0[RB], acc1[RB];
+        for (int i = 0; i < nb; i++) acc0[i] = acc1[i] = (v16){0};
         int64_t c = 0;
-        for (; c + 16 <= n; c += 16) {
-            v16 av = load16(aj + c);
-            for (int i = 0; i < nb; i++) acc[i] += av * load16(xr[i] + c);
+        for (; c + 2 <= n; c += 2) {
+            v16 a0 = load16(a + c * rp), a1 = load16(a + (c + 1) * rp);
+            for (int i = 0; i < nb; i++) {
+                acc0[i] += xr[i][c] * a0;
+                acc1[i] += xr[i][c + 1] * a1;
+            }
         }
-        for (int i = 0; i < nb; i++) {
-            float s = hsum(acc[i]);
-            for (int64_t cc = c; cc < n; cc++) s += aj[cc] * xr[i][cc];
-            t[i * ld + j] = s;
+        if (c < n) {
+            v16 a0 = load16(a + c * rp);
+            for (int i = 0; i < nb; i++) acc0[i] += xr[i][c] * a0;
         }
+        for (int i = 0; i < nb; i++) store16(t + i * ld + 16 * v, acc0[i] + acc1[i]);
     }
 }
 
@@ -87,12 +94,13 @@ static inline __attribute__((always_inline)) void block(
         const float *const *xr, float *const *yr, const float *a, const float *bt,
         const int32_t *ranks, const int64_t *cols, int64_t shards, int64_t R, int64_t n_in,
         float *t, const int nb) {
-    int64_t ld = shards * R;
+    int64_t rp = (R + 15) / 16 * 16, ld = shards * rp;
     for (int64_t k = 0; k < shards; k++)
-        if (ranks[k] > 0) shrink(xr, a + k * R * n_in, n_in, ranks[k], t + k * R, ld, nb);
+        if (ranks[k] > 0) shrink(xr, a + k * n_in * rp, n_in, ranks[k], rp, t + k * rp, ld, nb);
     for (int64_t k = 0; k < shards; k++)
         if (ranks[k] > 0)
-            expand(yr, cols[k], bt + R * cols[k], cols[k + 1] - cols[k], ranks[k], t + k * R, ld, nb);
+            expand(yr, cols[k], bt + R * cols[k], cols[k + 1] - cols[k], ranks[k], t + k * rp,
+                   ld, nb);
 }
 
 /* x [n, n_in] (row stride xs), y [n, cols[shards]] (row stride ys), slot_of [n]; a, bt,
@@ -103,7 +111,7 @@ int64_t slotserve_lora_bgmv(const float *x, int64_t xs, float *y, int64_t ys, in
                             const int32_t *ranks, const int64_t *cols, int64_t shards,
                             int64_t R, int64_t n_in, int64_t n_slots) {
     int64_t out = cols[shards];
-    float t[RB * shards * R];
+    float t[RB * shards * ((R + 15) / 16 * 16)];
     int64_t t0 = 0;
     while (t0 < n) {
         int64_t s = slot_of[t0];
@@ -117,7 +125,7 @@ int64_t slotserve_lora_bgmv(const float *x, int64_t xs, float *y, int64_t ys, in
             xr[i - t0] = x + i * xs;
             yr[i - t0] = y + i * ys;
         }
-        const float *as = a + s * shards * R * n_in;
+        const float *as = a + s * shards * n_in * ((R + 15) / 16 * 16);
         const float *bs = bt + s * R * out;
         const int32_t *rs = ranks + s * shards;
         switch (t1 - t0) {  /* constant block sizes: the accumulators stay in registers */
