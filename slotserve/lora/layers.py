@@ -52,13 +52,14 @@ class LoRABatch:
     else; `torch_path` False skips building the torch path's grouping); `any_lora`: whether
     any token has an adapter."""
 
-    __slots__ = ("any_lora", "dense", "runs", "slot_of", "torch_path")
+    __slots__ = ("any_lora", "dense", "runs", "slot_of", "slot_ptr", "torch_path")
 
     def __init__(self, torch_path: bool = True) -> None:
         self.dense: tuple[torch.Tensor, torch.Tensor | None,
                           tuple[int, int] | torch.Tensor] | None = None
         self.runs: list[tuple[int, int, int]] = []
         self.slot_of = np.zeros(0, dtype=np.int64)
+        self.slot_ptr = self.slot_of.ctypes.data  # its address, taken once per step
         self.any_lora = False
         self.torch_path = torch_path
 
@@ -67,6 +68,7 @@ class LoRABatch:
         """token_slots[t]: the adapter slot of token t of the step (-1: the base model), in
         runs (the runner sorts requests by slot)."""
         self.slot_of = np.ascontiguousarray(token_slots, dtype=np.int64)
+        self.slot_ptr = self.slot_of.ctypes.data
         self.any_lora = bool(len(token_slots)) and int(token_slots.max()) >= 0
         if not self.torch_path:
             return
@@ -152,7 +154,7 @@ class LoRALinear(nn.Module):
         y: torch.Tensor = self.base(x)
         if self.native is not None:
             if self.batch.any_lora:
-                self.native.apply(y, x, self.batch.slot_of)
+                self.native.apply(y, x, self.batch.slot_of, self.batch.slot_ptr)
             return y
         dense = self.batch.dense
         if dense is not None:

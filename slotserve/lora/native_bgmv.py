@@ -24,6 +24,7 @@ KERNEL = KernelSource("lora_bgmv", CSRC / "lora_bgmv.c",
                       ("-O3", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC"))
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+_F32 = torch.float32
 # None: not tried yet; False: unavailable (already logged).
 _fn: Callable[..., int] | bool | None = None
 
@@ -83,14 +84,17 @@ class NativeLoRAWeights:
             b.t())
         self.ranks[slot, shard] = r
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, slot_of: np.ndarray) -> None:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, slot_of: np.ndarray,
+              slot_ptr: int | None = None) -> None:
         """y[t] += this projection's LoRA delta of row t under adapter slot slot_of[t] (-1:
         none), for every row at once. x [n, in] and y [n, out] float32 CPU with contiguous
-        rows; slot_of a contiguous int64 array of n."""
+        rows; slot_of a contiguous int64 array of n, `slot_ptr` its address when the caller
+        has it (numpy takes microseconds to give it: a step takes it once for every layer)."""
         n = x.shape[0]
-        if (x.dtype != torch.float32 or y.dtype != torch.float32 or x.dim() != 2
-                or y.dim() != 2 or x.shape[1] != self.n_in or y.shape != (n, self.out)
-                or x.stride(1) != 1 or y.stride(1) != 1 or not x.is_cpu or not y.is_cpu
+        xs, ys = x.stride(), y.stride()
+        if (x.dtype != _F32 or y.dtype != _F32 or not x.is_cpu or not y.is_cpu
+                or x.dim() != 2 or y.dim() != 2 or x.shape[1] != self.n_in
+                or y.shape != (n, self.out) or xs[1] != 1 or ys[1] != 1
                 or slot_of.shape != (n,) or slot_of.dtype != np.int64
                 or not slot_of.flags.c_contiguous):
             raise NativeKernelError(
@@ -98,10 +102,11 @@ class NativeLoRAWeights:
                 f"{tuple(y.shape)} strides {y.stride()}, slots {slot_of.dtype} "
                 f"{slot_of.shape}: float32 CPU [n, {self.n_in}] / [n, {self.out}] with "
                 f"contiguous rows and int64 [n] expected")
+        if slot_ptr is None:
+            slot_ptr = slot_of.ctypes.data
         a, bt, ranks, cols = self._ptrs
-        bad = self._call(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), n,
-                  slot_of.ctypes.data, a, bt, ranks, cols, self.shards, self.rank, self.n_in,
-                  self.n_slots)
+        bad = self._call(x.data_ptr(), xs[0], y.data_ptr(), ys[0], n, slot_ptr, a, bt, ranks,
+                         cols, self.shards, self.rank, self.n_in, self.n_slots)
         if bad:
             raise NativeKernelError(f"lora_bgmv: row {bad - 1} has adapter slot "
                                     f"{int(slot_of[bad - 1])}; there are {self.n_slots}")
