@@ -37,14 +37,16 @@ def native_bgmv_supported(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if _fn is None:
         dll = native_build.load_kernel(KERNEL, "LoRA runs on the torch path")
-        if dll is None:
-            _fn = False
-        else:
-            f = dll.slotserve_lora_bgmv
-            f.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I]
-            f.restype = ctypes.c_int64
-            _fn = f  # type: ignore[assignment]  # a ctypes function
+        _fn = bind(dll) if dll is not None else False
     return _fn is not False
+
+
+def bind(dll: ctypes.CDLL) -> Callable[..., int]:
+    """The kernel's entry point in a loaded build, its argument types declared."""
+    f = dll.slotserve_lora_bgmv
+    f.argtypes = [_P, _I, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I]
+    f.restype = ctypes.c_int64
+    return f  # type: ignore[no-any-return]  # a ctypes function
 
 
 class NativeLoRAWeights:

@@ -1,14 +1,20 @@
 """The native batched LoRA kernel (lora/native_bgmv.py) against the torch reference: every
 row's y += B @ (A @ x) at its own adapter's rank (1..max), slots mixed in runs of every block
-size, base rows untouched, shards an adapter skips, shapes off the kernel's vector widths."""
+size, base rows untouched, shards an adapter skips, shapes off the kernel's vector widths;
+built for every CPU level this machine runs (AVX-512, AVX2, portable C)."""
 
 from __future__ import annotations
+
+import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from slotserve.lora import native_bgmv
 from slotserve.lora.native_bgmv import NativeLoRAWeights, native_bgmv_supported
+from slotserve.models import native_build
 from slotserve.models.native_attention import NativeKernelError
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +39,21 @@ def reference(x: torch.Tensor, y: torch.Tensor, slot_of: list[int], cols: list[i
     (16, [1, 3], 1),            # rank 1, tiny outputs
 ], ids=["odd", "exact", "qkv135m", "rank1"])
 def test_kernel_matches_reference(n_in: int, widths: list[int], max_rank: int) -> None:
+    check_kernel(n_in, widths, max_rank)
+
+
+@pytest.mark.parametrize("level", native_build.supported_levels(), ids=lambda lv: lv.name)
+def test_every_cpu_level_matches_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           level: native_build.CpuLevel) -> None:
+    cc = native_build.find_compiler()
+    assert cc is not None  # the module is skipped without a built kernel
+    lib = native_build.compile_library(native_bgmv.KERNEL, cc, tmp_path, level)
+    monkeypatch.setattr(native_bgmv, "_fn", native_bgmv.bind(ctypes.CDLL(str(lib))))
+    check_kernel(37, [5, 70, 129], 7)
+    check_kernel(40, [33], 20)  # ranks past one vector of 16 lanes
+
+
+def check_kernel(n_in: int, widths: list[int], max_rank: int) -> None:
     g = torch.Generator().manual_seed(n_in)
     n_slots = 4
     w = NativeLoRAWeights(n_slots, n_in, widths, max_rank)
