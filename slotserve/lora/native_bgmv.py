@@ -10,6 +10,7 @@ and the fallback where the kernel does not build.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -25,20 +26,19 @@ KERNEL = KernelSource("lora_bgmv", CSRC / "lora_bgmv.c",
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _F32 = torch.float32
-# None: not tried yet; False: unavailable (already logged).
-_fn: Callable[..., int] | bool | None = None
+
+
+@functools.cache
+def _kernel() -> Callable[..., int] | None:
+    """The kernel built for this CPU, or None (the build failure logged once)."""
+    dll = native_build.load_kernel(KERNEL, "LoRA runs on the torch path")
+    return bind(dll) if dll is not None else None
 
 
 def native_bgmv_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the kernel applies LoRA here (building it on first call; a failed build is
-    logged once and the layers keep the torch path)."""
-    global _fn
-    if dtype != torch.float32 or device.type != "cpu":
-        return False
-    if _fn is None:
-        dll = native_build.load_kernel(KERNEL, "LoRA runs on the torch path")
-        _fn = bind(dll) if dll is not None else False
-    return _fn is not False
+    """Whether the kernel applies LoRA here (building it on first call; where it does not
+    build, the layers keep the torch path)."""
+    return dtype == _F32 and device.type == "cpu" and _kernel() is not None
 
 
 def bind(dll: ctypes.CDLL) -> Callable[..., int]:
@@ -52,10 +52,13 @@ def bind(dll: ctypes.CDLL) -> Callable[..., int]:
 class NativeLoRAWeights:
     """One wrapped projection's adapter slots in the kernel's layout."""
 
-    def __init__(self, n_slots: int, n_in: int, widths: list[int], max_rank: int) -> None:
-        if not native_bgmv_supported(torch.float32, torch.device("cpu")) or not callable(_fn):
+    def __init__(self, n_slots: int, n_in: int, widths: list[int], max_rank: int,
+                 kernel: Callable[..., int] | None = None) -> None:
+        """`kernel`: another build's entry point (bind()), else this CPU's."""
+        kernel = kernel or _kernel()
+        if kernel is None:
             raise NativeKernelError("lora_bgmv: the kernel is not available")
-        self._call: Callable[..., int] = _fn
+        self._call = kernel
         self.n_slots, self.n_in, self.rank = n_slots, n_in, max_rank
         self.shards = len(widths)
         self.cols = np.concatenate(([0], np.cumsum(widths))).astype(np.int64)
