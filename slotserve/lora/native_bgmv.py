@@ -1,9 +1,9 @@
 """The native batched LoRA kernel (`models/csrc/lora_bgmv.c`) for float32 on the CPU.
 
 `NativeLoRAWeights` holds one wrapped projection's slots in the kernel's layout (A
-transposed, [slots, shards, in, R rounded up to 16 lanes]; B transposed and packed per shard, [slots, R * out]; each slot's rank per
-shard) and applies them to a step's rows in one call: shrink then expand for every row at its
-own adapter's rank, base rows skipped. The torch path (lora/layers.py) stays the reference
+transposed, [slots, shards, in, R rounded up to 16 lanes]; B transposed and packed per
+shard, [slots, R * out]; each slot's rank per shard) and applies them to a step's rows in one
+call: shrink then expand for every row at its own adapter's rank, base rows skipped. The torch path (lora/layers.py) stays the reference
 and the fallback where the kernel does not build.
 """
 
