@@ -13,6 +13,10 @@ through four ops whatever the number of adapters (punica's bgmv): gather the row
 one batched shrink and one batched expand against the slots in use, one index_add back. A
 long run (a prefill chunk) shrinks and expands against its own slot only (sgmv's segment).
 Base rows skip both.
+
+For float32 on the CPU the native kernel (lora/native_bgmv.py) replaces all of that: one
+call per projection applies every row at its own adapter's rank (no padding to R), the
+shards of a fused projection sharing the read of x; the torch ops above stay the reference.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 
 from slotserve.lora.adapters import AdapterCache, LoRAModel, module_shapes
+from slotserve.lora.native_bgmv import NativeLoRAWeights, native_bgmv_supported
 from slotserve.lora.request import LoRAConfig, LoRARequest
 from slotserve.model_config import ModelConfig
 from slotserve.models.layers import DecoderForCausalLM
@@ -43,19 +48,30 @@ class LoRABatch:
     `dense`: the short runs before the first long one, gathered by slot: (row index [slots *
     rows], valid [slots, rows, 1] or None when no slot's group is padded, the slots (first,
     count) when consecutive or their index tensor); `runs`: (slot, first row, end) of the
-    others."""
+    others. `slot_of`: every token's slot, for the native kernel (which needs nothing
+    else; `torch_path` False skips building the torch path's grouping); `any_lora`: whether
+    any token has an adapter."""
 
-    __slots__ = ("dense", "runs")
+    __slots__ = ("any_lora", "dense", "runs", "slot_of", "slot_ptr", "torch_path")
 
-    def __init__(self) -> None:
+    def __init__(self, torch_path: bool = True) -> None:
         self.dense: tuple[torch.Tensor, torch.Tensor | None,
                           tuple[int, int] | torch.Tensor] | None = None
         self.runs: list[tuple[int, int, int]] = []
+        self.slot_of = np.zeros(0, dtype=np.int64)
+        self.slot_ptr = self.slot_of.ctypes.data  # its address, taken once per step
+        self.any_lora = False
+        self.torch_path = torch_path
 
     def set_tokens(self, token_slots: np.ndarray, device: torch.device,
                    dtype: torch.dtype) -> None:
         """token_slots[t]: the adapter slot of token t of the step (-1: the base model), in
         runs (the runner sorts requests by slot)."""
+        self.slot_of = np.ascontiguousarray(token_slots, dtype=np.int64)
+        self.slot_ptr = self.slot_of.ctypes.data
+        self.any_lora = bool(len(token_slots)) and int(token_slots.max()) >= 0
+        if not self.torch_path:
+            return
         edges = np.flatnonzero(np.diff(token_slots)) + 1
         starts = np.concatenate(([0], edges)).tolist()
         ends = np.concatenate((edges, [len(token_slots)])).tolist()
@@ -88,9 +104,12 @@ class LoRABatch:
 
 
 class LoRALinear(nn.Module):
+    """A base projection plus every slot's LoRA on its shards; `native`: through the native
+    kernel (float32 CPU only), else the torch ops."""
+
     def __init__(self, base: nn.Module, layer: int, modules: tuple[str, ...],
                  shapes: dict[str, tuple[int, int]], cfg: LoRAConfig, batch: LoRABatch,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, native: bool = False) -> None:
         super().__init__()
         self.base, self.layer, self.batch = base, layer, batch
         self.rank, self.modules_ = cfg.max_lora_rank, modules
@@ -101,30 +120,42 @@ class LoRALinear(nn.Module):
             self.columns.append((start, start + shapes[name][1]))
             start += shapes[name][1]
         r = self.rank
-        # A [slots, in, shards * R]; B [slots, shards * R, out], block-diagonal by shard.
-        self.lora_a = torch.zeros(cfg.max_loras, shapes[modules[0]][0], len(modules) * r,
-                                  dtype=dtype, device=device)
-        self.lora_b = torch.zeros(cfg.max_loras, len(modules) * r, start, dtype=dtype,
-                                  device=device)
+        n_in = shapes[modules[0]][0]
+        self.native = (NativeLoRAWeights(cfg.max_loras, n_in, [shapes[m][1] for m in modules],
+                                         r) if native else None)
+        # Torch path: A [slots, in, shards * R]; B [slots, shards * R, out], block-diagonal
+        # by shard (empty on the native path).
+        shape_a, shape_b = ((cfg.max_loras, n_in, len(modules) * r),
+                            (cfg.max_loras, len(modules) * r, start)) if not native else (
+                                (0, 0, 0), (0, 0, 0))
+        self.lora_a = torch.zeros(shape_a, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(shape_b, dtype=dtype, device=device)
         # Slots whose adapter targets this layer (the others add nothing).
         self.targeted = [False] * cfg.max_loras
 
     def set_slot(self, slot: int, model: LoRAModel | None) -> None:
         r = self.rank
-        a_slot, b_slot = self.lora_a[slot], self.lora_b[slot]
-        a_slot.zero_()
-        b_slot.zero_()
         self.targeted[slot] = False
+        if self.native is None:
+            a_slot, b_slot = self.lora_a[slot], self.lora_b[slot]
+            a_slot.zero_()
+            b_slot.zero_()
         for k, (name, (c0, c1)) in enumerate(zip(self.modules_, self.columns, strict=True)):
             ab = model.weights.get((self.layer, name)) if model is not None else None
-            if ab is not None:
+            self.targeted[slot] |= ab is not None
+            if self.native is not None:
+                self.native.set_shard(slot, k, *(ab or (None, None)))
+            elif ab is not None:
                 a, b = ab  # [rank, in], [out, rank]; zero-padded to R
-                self.targeted[slot] = True
                 a_slot[:, k * r:k * r + a.shape[0]].copy_(a.t())
                 b_slot[k * r:k * r + b.shape[1], c0:c1].copy_(b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
+        if self.native is not None:
+            if self.batch.any_lora:
+                self.native.apply(y, x, self.batch.slot_of, self.batch.slot_ptr)
+            return y
         dense = self.batch.dense
         if dense is not None:
             index, valid, pick = dense
@@ -147,16 +178,18 @@ class LoRASlots:
     """The wrapped layers of one model, and the token grouping of the step under way."""
 
     def __init__(self, model: DecoderForCausalLM, model_config: ModelConfig, cfg: LoRAConfig,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, native: bool = True) -> None:
+        """`native`: the native kernel where it builds for this dtype and device."""
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.batch = LoRABatch()
+        native = native and native_bgmv_supported(dtype, device)
+        self.batch = LoRABatch(torch_path=not native)
         self.layers: list[LoRALinear] = []
         shapes = module_shapes(model_config)
         for i, decoder_layer in enumerate(model.model.layers):
             for owner_name, attr, modules in _WRAPPED:
                 owner = getattr(decoder_layer, owner_name)
                 wrapped = LoRALinear(getattr(owner, attr), i, modules, shapes, cfg,
-                                     self.batch, dtype, device)
+                                     self.batch, dtype, device, native)
                 setattr(owner, attr, wrapped)
                 self.layers.append(wrapped)
         self.cache = AdapterCache(model_config, cfg.max_lora_rank, cfg.cpu_capacity)

@@ -1,6 +1,7 @@
 """The batched LoRA computation (lora/layers.py) equals each row's own adapter applied alone,
 for steps mixing base rows, short runs (batch-wide ops over a slot range) and long runs (a
-run's own slot), adapters of smaller ranks than the slots and adapters skipping a shard."""
+run's own slot), adapters of smaller ranks than the slots and adapters skipping a shard; on
+the torch path and through the native kernel."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from slotserve.lora import layers
 from slotserve.lora.adapters import LoRAModel
 from slotserve.lora.layers import LoRABatch, LoRALinear
+from slotserve.lora.native_bgmv import native_bgmv_supported
 from slotserve.lora.request import LoRAConfig, LoRARequest
 
 SHAPES = {"q_proj": (24, 32), "k_proj": (24, 8), "v_proj": (24, 8), "o_proj": (32, 24)}
@@ -32,15 +34,20 @@ def random_model(slot: int, rank: int, modules: tuple[str, ...]) -> LoRAModel:
 ], ids=["mixed", "long-first", "one-run", "after-base"])
 @pytest.mark.parametrize("modules", [("q_proj", "k_proj", "v_proj"), ("o_proj",)],
                          ids=["fused", "single"])
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not native_bgmv_supported(torch.float32, torch.device("cpu")),
+    reason="the native LoRA kernel does not build here"))], ids=["torch", "native"])
 def test_batched_delta_equals_per_row(monkeypatch: pytest.MonkeyPatch, slots: list[int],
-                                      dense: bool, modules: tuple[str, ...]) -> None:
+                                      dense: bool, modules: tuple[str, ...],
+                                      native: bool) -> None:
     monkeypatch.setattr(layers, "LONG_RUN", 6)  # runs of 6+ rows take the per-run path
     n_in = SHAPES[modules[0]][0]
     n_out = sum(SHAPES[m][1] for m in modules)
     base = nn.Linear(n_in, n_out, bias=False)
     batch = LoRABatch()
     cfg = LoRAConfig(max_loras=4, max_lora_rank=8)
-    lin = LoRALinear(base, 0, modules, SHAPES, cfg, batch, torch.float32, torch.device("cpu"))
+    lin = LoRALinear(base, 0, modules, SHAPES, cfg, batch, torch.float32, torch.device("cpu"),
+                     native)
     # Slot 1: rank 4 on every shard; slot 2 skips the first shard; slot 3 is reloaded.
     models = [random_model(0, 8, modules), random_model(1, 4, modules),
               random_model(2, 8, modules[1:] or modules), random_model(9, 2, modules)]
