@@ -1,24 +1,27 @@
 """Data parallelism on this machine: 2 Ray Serve replicas x 1 thread against one process x 1
 and x 2 threads, and the prefix router against pow2 on a shared-prefix workload.
 
-    python benchmarks/dp_bench.py                       # both parts, about 10 minutes
-    python benchmarks/dp_bench.py --part prefix --json dp.json
+    python benchmarks/dp_bench.py --part throughput     # about 3 minutes (needs idle cores)
+    python benchmarks/dp_bench.py --part prefix --json dp.json   # about 6 minutes
 
 Part `throughput`: the same seeded random token-id prompts (--num-prompts, --input-len,
---output-len, ignore_eos) sent all at once (unbounded rate, --max-concurrency in flight) to
-`slotserve serve --threads 1`, `--threads 2` and `--data-parallel-size 2 --threads 1`; output
-tokens per second and their ratios, each against its target (dp2 >= 1.7x threads 1, and
-above threads 2).
+--output-len, ignore_eos) all sent at once (unbounded rate; the servers' admission bounds are
+raised so none is refused) to `slotserve serve --threads 1`, `--threads 2` and
+`--data-parallel-size 2 --threads 1`; output tokens per second and their ratios, each against
+its target (dp2 >= 1.7x threads 1, and above threads 2).
 
-Part `prefix`: the trace of benchmarks/fleet_sim.py (the same function, the same seed:
---prompts system prompts of --prompt-len tokens, a user part each, Poisson arrivals at
---rate), sent at its arrival times to one process (1 thread) and to 2 replicas under
-`--router prefix` and `--router pow2`; prefix-cache hit rate (the servers' own counters,
-summed over replicas), TTFT median and throughput (targets: prefix's hit rate >= 0.9x one
-replica's, TTFT median <= 0.7x pow2's), each against its target; then the fleet simulator's
-prediction for each setup (the same trace, `fleet_sim.simulate`, the idle TTFT measured on
-that server as its serving overhead) beside the measured TTFT p50 and throughput, with the
-deviation (the validation target: within 15%). `--refit` fits the step-time model first.
+Part `prefix`: the trace of benchmarks/fleet_sim.py (the same function, the same seed: 8
+system prompts of 600 tokens, a user part each, Poisson arrivals at 2/s) on
+--prefix-num-blocks KV blocks per replica, sent at its arrival times to one process (1
+thread) and to 2 replicas under `--router prefix` and `--router pow2`; prefix-cache hit rate
+(the servers' own counters, summed over replicas), TTFT median and throughput (targets:
+prefix's hit rate >= 0.9x one replica's, TTFT median <= 0.7x pow2's); then the fleet
+simulator's prediction for each setup (the same trace, `fleet_sim.simulate`) beside the
+measured TTFT p50, throughput and engine-side TTFT mean, with the deviation (the validation
+target: within 15%). Each server is calibrated by idle probes before and after the trace
+(`calibrate`:
+its serving path's latency and how fast its steps run now against the fit), which the
+simulator takes. `--refit` fits the step-time model first; `--setups` runs some setups only.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def simulated(args: argparse.Namespace, replicas: int, policy: str, coef: list[f
 
 def calibrate(url: str, coef: list[float]) -> tuple[float, float]:
     """(the serving path's latency in ms, the machine's speed factor now) from idle probes
-    sent before the trace, never from the trace: the TTFT of a 16-token request is the
+    sent before and after the trace, never from the trace: the TTFT of a 16-token request is the
     serving path (HTTP, the Ray hops, the first SSE event) plus its small step; cold
     PROBE_LEN-token requests add one prefill, whose measured cost over the model's says how
     much slower than at the fit this server's engine runs now (a shared machine's load moves
@@ -208,6 +211,10 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             r = run(url, reqs, at)
             time.sleep(2.5)
             r.update(counted(before, server_counters(url)))
+            # Probed again after the trace: the mean of the two follows a load that drifts
+            # during the run better than either alone.
+            after = calibrate(url, coef)
+            overhead, speed = (overhead + after[0]) / 2, (speed + after[1]) / 2
             r["serving_path_ms"], r["speed"] = overhead, speed
             r["sim"] = simulated(args, *sim_setups[name], [k * speed for k in coef], overhead)
             out[name] = r
