@@ -1,24 +1,27 @@
 """Data parallelism on this machine: 2 Ray Serve replicas x 1 thread against one process x 1
 and x 2 threads, and the prefix router against pow2 on a shared-prefix workload.
 
-    python benchmarks/dp_bench.py                       # both parts, about 10 minutes
-    python benchmarks/dp_bench.py --part prefix --json dp.json
+    python benchmarks/dp_bench.py --part throughput     # about 3 minutes (needs idle cores)
+    python benchmarks/dp_bench.py --part prefix --json dp.json   # about 6 minutes
 
 Part `throughput`: the same seeded random token-id prompts (--num-prompts, --input-len,
---output-len, ignore_eos) sent all at once (unbounded rate, --max-concurrency in flight) to
-`slotserve serve --threads 1`, `--threads 2` and `--data-parallel-size 2 --threads 1`; output
-tokens per second and their ratios, each against its target (dp2 >= 1.7x threads 1, and
-above threads 2).
+--output-len, ignore_eos) all sent at once (unbounded rate; the servers' admission bounds are
+raised so none is refused) to `slotserve serve --threads 1`, `--threads 2` and
+`--data-parallel-size 2 --threads 1`; output tokens per second and their ratios, each against
+its target (dp2 >= 1.7x threads 1, and above threads 2).
 
-Part `prefix`: the trace of benchmarks/fleet_sim.py (the same function, the same seed:
---prompts system prompts of --prompt-len tokens, a user part each, Poisson arrivals at
---rate), sent at its arrival times to one process (1 thread) and to 2 replicas under
-`--router prefix` and `--router pow2`; prefix-cache hit rate (the servers' own counters,
-summed over replicas), TTFT median and throughput (targets: prefix's hit rate >= 0.9x one
-replica's, TTFT median <= 0.7x pow2's), each against its target; then the fleet simulator's
-prediction for each setup (the same trace, `fleet_sim.simulate`, the idle TTFT measured on
-that server as its serving overhead) beside the measured TTFT p50 and throughput, with the
-deviation (the validation target: within 15%). `--refit` fits the step-time model first.
+Part `prefix`: the trace of benchmarks/fleet_sim.py (the same function, the same seed: 8
+system prompts of 600 tokens, a user part each, Poisson arrivals at 2/s) on
+--prefix-num-blocks KV blocks per replica, sent at its arrival times to one process (1
+thread) and to 2 replicas under `--router prefix` and `--router pow2`; prefix-cache hit rate
+(the servers' own counters, summed over replicas), TTFT median and throughput (targets:
+prefix's hit rate >= 0.9x one replica's, TTFT median <= 0.7x pow2's); then the fleet
+simulator's prediction for each setup (the same trace, `fleet_sim.simulate`) beside the
+measured TTFT p50, throughput and engine-side TTFT mean, with the deviation (the validation
+target: within 15%). Each server is calibrated by idle probes before and after the trace
+(`calibrate`:
+its serving path's latency and how fast its steps run now against the fit), which the
+simulator takes. `--refit` fits the step-time model first; `--setups` runs some setups only.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -42,12 +46,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleet_sim import FIT_PATH, fit, simulate, trace  # noqa: E402
+from fleet_sim import FIT_PATH, fit, simulate, step_time, trace  # noqa: E402
 from procs import free_port, stop, wait_healthy  # noqa: E402
 
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 
 MODEL = "dp-bench"
+PROBE_LEN = 640  # the cold calibration probe: about one trace request's prompt
 # Admission bounds high enough that the unbounded-rate part is never answered with 429.
 ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024",
                 "--max-waiting-seqs", "4096", "--max-waiting-tokens", "100000000",
@@ -98,14 +103,27 @@ def run(url: str, requests: list[client.BenchRequest], at: list[float]) -> dict[
             "errors": [r.error for r in results if not r.ok][:3]}
 
 
-def hit_rate(url: str) -> float:
+def server_counters(url: str) -> dict[str, float]:
+    """The servers' /metrics counters, summed over replicas: prefix-cache hits and queries,
+    and the engine-side TTFT (arrival at the replica's engine front to its first token) sum
+    and count, which split the client's TTFT into the serving path's and the engine's."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(
             rf"^slotserve:{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
-    return total("prefix_cache_hits") / max(1.0, total("prefix_cache_queries"))
+    return {k: total(k) for k in ("prefix_cache_hits", "prefix_cache_queries",
+                                  "time_to_first_token_seconds_sum",
+                                  "time_to_first_token_seconds_count")}
+
+
+def counted(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The hit rate and the engine-side TTFT mean of what was sent between two readings."""
+    d = {k: after[k] - before[k] for k in after}
+    return {"hit_rate": d["prefix_cache_hits"] / max(1.0, d["prefix_cache_queries"]),
+            "engine_ttft_mean_ms": 1000 * d["time_to_first_token_seconds_sum"]
+            / max(1.0, d["time_to_first_token_seconds_count"])}
 
 
 def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -137,14 +155,35 @@ def verdict(what: str, ratio: float, op: str, target: float) -> bool:
     return met
 
 
-def simulated(args: argparse.Namespace, replicas: int, policy: str,
+def simulated(args: argparse.Namespace, replicas: int, policy: str, coef: list[float],
               overhead_ms: float) -> dict[str, float]:
     """The fleet simulator's prediction for one setup of the prefix part (same trace)."""
     sim_args = SimpleNamespace(
         seed=args.seed, prompts=args.prompts, prompt_len=args.prompt_len,
         requests=args.requests, rate=args.rate, out_len=args.out_len, replicas=replicas,
-        num_blocks=1024, max_num_seqs=32, report_s=1.0, serving_overhead_ms=overhead_ms)
-    return simulate(policy, json.loads(FIT_PATH.read_text())["coef"], sim_args)  # type: ignore[arg-type]
+        num_blocks=args.prefix_num_blocks, max_num_seqs=32, report_s=1.0,
+        serving_overhead_ms=overhead_ms)
+    return simulate(policy, coef, sim_args)  # type: ignore[arg-type]
+
+
+def calibrate(url: str, coef: list[float]) -> tuple[float, float]:
+    """(the serving path's latency in ms, the machine's speed factor now) from idle probes
+    sent before and after the trace, never from the trace: the TTFT of a 16-token request is the
+    serving path (HTTP, the Ray hops, the first SSE event) plus its small step; cold
+    PROBE_LEN-token requests add one prefill, whose measured cost over the model's says how
+    much slower than at the fit this server's engine runs now (a shared machine's load moves
+    it 2x within minutes; the step model's shape, not its scale, is what the fit knows)."""
+    rng = random.Random(1)
+    short = statistics.median(
+        run(url, [client.BenchRequest([50 + i for i in range(16)], 1)], [0.0])["ttft_p50_ms"]
+        for _ in range(5))
+    cold = statistics.median(
+        run(url, [client.BenchRequest([rng.randrange(200, 260) for _ in range(PROBE_LEN)], 1)],
+            [0.0])["ttft_p50_ms"] for _ in range(5))
+    small = step_time(coef, (16, 0, 0, 0))
+    model = step_time(coef, (PROBE_LEN, 0, 0, PROBE_LEN * PROBE_LEN // 1000)) - small
+    speed = max(0.25, (cold - short) / 1e3 / model)
+    return max(0.0, short - 1e3 * small * speed), speed
 
 
 def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -154,44 +193,55 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     # Token ids from the middle of the vocabulary, as the simulator's (1..59) are shifted.
     reqs = [client.BenchRequest([t + 100 for t in toks], args.out_len) for _, toks in items]
     at = [t for t, _ in items]
-    setups = {"1 process": ["--threads", "1"],
-              "2 replicas, prefix": ["--data-parallel-size", "2", "--router", "prefix"],
-              "2 replicas, pow2": ["--data-parallel-size", "2", "--router", "pow2"]}
+    blocks = ["--num-blocks", str(args.prefix_num_blocks)]  # after ENGINE_FLAGS: it wins
+    setups = {"1 process": ["--threads", "1", *blocks],
+              "2 replicas, prefix": ["--data-parallel-size", "2", "--router", "prefix", *blocks],
+              "2 replicas, pow2": ["--data-parallel-size", "2", "--router", "pow2", *blocks]}
     sim_setups = {"1 process": (1, "prefix"), "2 replicas, prefix": (2, "prefix"),
                   "2 replicas, pow2": (2, "pow2")}
+    coef = json.loads(FIT_PATH.read_text())["coef"]
     out = {}
     for name, flags in setups.items():
+        if args.setups and name not in args.setups.split(";"):
+            continue
         with server(flags, logs / f"{name.replace(' ', '_').replace(',', '')}.log") as url:
-            # The serving path's own latency (HTTP, the Ray hops, the first SSE event), which
-            # the simulator's engine-step model lacks: an idle one-block request's TTFT.
-            idle = [client.BenchRequest([50 + i for i in range(16)], 1)]
-            overhead = statistics.median(run(url, idle, [0.0])["ttft_p50_ms"]
-                                         for _ in range(5))
-            r = run(url, reqs, at)
+            overhead, speed = calibrate(url, coef)
             time.sleep(2.5)  # the replicas' next routing stats carry their counters
-            r["hit_rate"] = hit_rate(url)
-            r["idle_ttft_ms"] = overhead
-            r["sim"] = simulated(args, *sim_setups[name], overhead)
+            before = server_counters(url)
+            r = run(url, reqs, at)
+            time.sleep(2.5)
+            r.update(counted(before, server_counters(url)))
+            # Probed again after the trace: the mean of the two follows a load that drifts
+            # during the run better than either alone.
+            after = calibrate(url, coef)
+            overhead, speed = (overhead + after[0]) / 2, (speed + after[1]) / 2
+            r["serving_path_ms"], r["speed"] = overhead, speed
+            r["sim"] = simulated(args, *sim_setups[name], [k * speed for k in coef], overhead)
             out[name] = r
         print(f"{name:<20} hit rate {r['hit_rate']:.3f}  TTFT p50 {r['ttft_p50_ms']:7.0f} ms  "
+              f"(engine-side mean {r['engine_ttft_mean_ms']:.0f} ms; serving path "
+              f"{overhead:.0f} ms, steps x{speed:.2f} the fit's)  "
               f"{r['throughput']:7.1f} tok/s  ({r['failed']} failed)", flush=True)
-    pr, pw, one = out["2 replicas, prefix"], out["2 replicas, pow2"], out["1 process"]
-    verdict("prefix hit rate / one replica's", pr["hit_rate"] / max(one["hit_rate"], 1e-9),
-            ">=", 0.9)
-    verdict("prefix TTFT p50 / pow2's", pr["ttft_p50_ms"] / max(pw["ttft_p50_ms"], 1e-9),
-            "<=", 0.7)
-    print("the fleet simulator on the same trace (step-time model "
-          f"{FIT_PATH.name}, idle TTFT as the serving overhead):")
+    if len(out) == len(setups):
+        pr, pw, one = out["2 replicas, prefix"], out["2 replicas, pow2"], out["1 process"]
+        verdict("prefix hit rate / one replica's", pr["hit_rate"] / max(one["hit_rate"], 1e-9),
+                ">=", 0.9)
+        verdict("prefix TTFT p50 / pow2's", pr["ttft_p50_ms"] / max(pw["ttft_p50_ms"], 1e-9),
+                "<=", 0.7)
+    print(f"the fleet simulator on the same trace (step-time model {FIT_PATH.name} scaled by "
+          "each server's probes; the serving path added to its TTFT):")
     print(f"  {'setup':<20} {'TTFT p50 measured':>17} {'simulated':>9} {'dev':>6}   "
-          f"{'tok/s measured':>14} {'simulated':>9} {'dev':>6}  hit rate meas./sim.")
+          f"{'tok/s measured':>14} {'simulated':>9} {'dev':>6}   engine TTFT mean meas./sim.  "
+          "hit rate meas./sim.")
     for name, r in out.items():
         sim = r["sim"]
         dt = sim["ttft_p50"] * 1e3 / max(r["ttft_p50_ms"], 1e-9) - 1
         dq = sim["throughput"] / max(r["throughput"], 1e-9) - 1
         ok = "within 15%" if abs(dt) <= 0.15 and abs(dq) <= 0.15 else "OFF by more than 15%"
         print(f"  {name:<20} {r['ttft_p50_ms']:15.0f}ms {sim['ttft_p50'] * 1e3:7.0f}ms "
-              f"{dt:+6.0%}   {r['throughput']:14.1f} {sim['throughput']:9.1f} {dq:+6.0%}  "
-              f"{r['hit_rate']:.3f}/{sim['hit_rate']:.3f}  {ok}", flush=True)
+              f"{dt:+6.0%}   {r['throughput']:14.1f} {sim['throughput']:9.1f} {dq:+6.0%}   "
+              f"{r['engine_ttft_mean_ms']:9.0f}/{sim['engine_ttft_mean'] * 1e3:.0f} ms"
+              f"{'':>13}{r['hit_rate']:.3f}/{sim['hit_rate']:.3f}  {ok}", flush=True)
     return out
 
 
@@ -201,11 +251,20 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=600)
+    p.add_argument("--prefix-num-blocks", type=int, default=128,
+                   help="KV blocks per replica in the prefix part: the 8 x 600-token prompts "
+                   "need 304, so one replica (and each of pow2's) holds about a third of "
+                   "them and evicts; two replicas hold most if the router keeps each prompt "
+                   "on one. (With 160-192, pow2's requests hit about half the time and its "
+                   "TTFT median sits on the edge between the hit and the miss mode: it "
+                   "jumps between runs.)")
     p.add_argument("--out-len", type=int, default=16)
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rate", type=float, default=2.0)
+    p.add_argument("--setups", default="", help="the prefix part's setups to run, ';' "
+                   "between names (default: all three, with the verdicts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--refit", action="store_true", help="fit the simulator's step-time "
                    "model first (fleet_sim.py --fit), under the same load as the runs")

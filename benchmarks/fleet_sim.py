@@ -10,8 +10,9 @@ the Ray router (`slotserve.routing.policy`), on a shared-system-prompt trace.
 Trace: --prompts system prompts of --prompt-len tokens, each request one of them (uniform)
 plus a user part of 20-80 random tokens, --out-len output tokens, Poisson arrivals at
 --rate per second. Step time = a + b * prefill tokens + c * decode sequences + d * context
-tokens of the decode sequences (fitted by least squares on the bundled model's real steps,
-1 torch thread: `--fit`). Replicas report their cached hashes to the router every
+tokens of the decode sequences + e * prefill attention (new tokens x the context they attend
+to, the cached prefix included), fitted by least squares on the bundled model's real steps
+(1 torch thread, prefix caching on, serving-like arrivals: `--fit`). Replicas report their cached hashes to the router every
 --report-s seconds (as Ray's routing stats do); the router learns its own decisions at once.
 Prints per policy: prefix-cache hit rate, TTFT and TPOT p50 / p99, output tokens per second.
 """
@@ -44,9 +45,13 @@ BLOCK_SIZE = 16
 REPORTED = 8192  # hashes a replica reports (slotserve/ray/server.py MAX_REPORTED_HASHES)
 
 
-def step_shape(so: SchedulerOutput, sched: Scheduler) -> tuple[int, int, int]:
-    """(prefill tokens, decode sequences, their context tokens) of one step."""
-    prefill = decode = context = 0
+def step_shape(so: SchedulerOutput, sched: Scheduler) -> tuple[int, int, int, int]:
+    """(prefill tokens, decode sequences, their context tokens, prefill attention) of one
+    step; prefill attention is the sum over prefill chunks of new tokens x the context they
+    attend to (cached prefix included) in thousands: a 50-token user part behind a cached
+    600-token prompt costs more than 50 cold tokens, which a model in prefill tokens alone
+    misses."""
+    prefill = decode = context = attention = 0
     for rid, n in so.num_scheduled_tokens.items():
         req = sched.requests[rid]
         if req.num_computed_tokens + n >= req.num_tokens and n == 1 and req.num_output_tokens:
@@ -54,12 +59,23 @@ def step_shape(so: SchedulerOutput, sched: Scheduler) -> tuple[int, int, int]:
             context += req.num_computed_tokens
         else:
             prefill += n
-    return prefill, decode, context
+            attention += n * (req.num_computed_tokens + n) // 1000
+    return prefill, decode, context, attention
+
+
+def step_time(coef: list[float], shape: tuple[int, int, int, int]) -> float:
+    """The fitted model; a fit without the attention term (4 coefficients) still loads."""
+    a, b, c, d, e = [*coef, 0.0][:5]
+    p, n_dec, ctx, att = shape
+    return max(a + b * p + c * n_dec + d * ctx + e * att, 1e-4)
 
 
 # ----- fitting the step-time model on the real engine -------------------------------------------
 
 def fit(seconds: float) -> list[float]:
+    """Steps of the real engine on serving-like shapes: prefix caching on, prompts that share
+    600-token prefixes mixed with cold ones of 32-900 tokens, arriving one at a time between
+    steps (so prefills land in decode batches as they do in a server), not in bursts."""
     import torch
 
     from slotserve.engine.llm_engine import LLMEngine
@@ -67,10 +83,10 @@ def fit(seconds: float) -> list[float]:
     torch.set_num_threads(1)
     engine = LLMEngine.from_engine_args(
         None, model=None, max_model_len=1024, num_blocks=1024, max_num_seqs=32,
-        enable_prefix_caching=False, device="cpu", dtype="float32")  # type: ignore[arg-type]
+        enable_prefix_caching=True, device="cpu", dtype="float32")  # type: ignore[arg-type]
     core = engine.engine_core.engine_core  # type: ignore[attr-defined]
     sched, runner = core.scheduler, core.model_runner
-    rows: list[tuple[int, int, int, float]] = []
+    rows: list[tuple[int, int, int, int, float]] = []
     execute = runner.execute_model
 
     def timed(so: SchedulerOutput, grammar: Any = None) -> ModelRunnerOutput:
@@ -82,25 +98,28 @@ def fit(seconds: float) -> list[float]:
 
     runner.execute_model = timed
     rng = random.Random(0)
+    shared = [[rng.randrange(100, 160) for _ in range(600)] for _ in range(4)]
     deadline = time.monotonic() + seconds
     k = 0
     while time.monotonic() < deadline:
-        for _ in range(rng.randint(1, 12)):
-            n = rng.choice((32, 128, 300, 600, 900))
-            engine.add_request(f"fit-{k}", {"prompt_token_ids": [rng.randrange(1, 60)
-                                                                 for _ in range(n)]},
+        if not engine.has_unfinished_requests() or rng.random() < 0.2:
+            user = [rng.randrange(100, 160) for _ in range(rng.randint(20, 80))]
+            prompt = (rng.choice(shared) + user if rng.random() < 0.5 else
+                      [rng.randrange(100, 160) for _ in range(rng.choice((32, 128, 300, 600,
+                                                                          900)))])
+            engine.add_request(f"fit-{k}", {"prompt_token_ids": prompt},
                                SamplingParams(max_tokens=rng.randint(8, 48), temperature=0,
                                               ignore_eos=True))
             k += 1
-        while engine.has_unfinished_requests():
-            engine.step()
-    x = np.array([[1.0, p, d, c] for p, d, c, _ in rows[5:]])
+        engine.step()
+    x = np.array([[1.0, *shape] for *shape, _ in rows[5:]])
     y = np.array([t for *_, t in rows[5:]])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     pred = x @ coef
     print(f"fitted on {len(y)} steps: a={coef[0] * 1e3:.2f} ms, b={coef[1] * 1e6:.1f} us/prefill "
-          f"token, c={coef[2] * 1e6:.1f} us/decode seq, d={coef[3] * 1e9:.1f} ns/context token; "
-          f"median |error| {np.median(np.abs(pred - y) / y) * 100:.0f}%")
+          f"token, c={coef[2] * 1e6:.1f} us/decode seq, d={coef[3] * 1e9:.1f} ns/context token, "
+          f"e={coef[4] * 1e6:.1f} us/1000 prefill attention pairs; median |error| "
+          f"{np.median(np.abs(pred - y) / y) * 100:.0f}%")
     return [float(v) for v in coef]
 
 
@@ -154,7 +173,6 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
     ntok: dict[str, int] = {}
     next_report = 0.0
     params = SamplingParams(max_tokens=args.out_len, temperature=0, ignore_eos=True)
-    a, b, c, d = coef
     while events:
         now, _, kind, payload = heapq.heappop(events)
         if now >= next_report:  # the replicas' periodic routing stats
@@ -179,8 +197,7 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
             continue
         sim = fleet[payload]
         so = sim.sched.schedule(now=now)
-        p, n_dec, ctx = step_shape(so, sim.sched)
-        dt = max(a + b * p + c * n_dec + d * ctx, 1e-4) if so.total_num_scheduled_tokens else 0
+        dt = step_time(coef, step_shape(so, sim.sched)) if so.total_num_scheduled_tokens else 0
         outputs = sim.sched.update_from_output(so, fake_execute(so, sim.sched), now + dt)
         for o in outputs:
             if o.new_token_ids:
@@ -195,12 +212,13 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
             sim.stepping = False
     stats = [s.sched.make_stats() for s in fleet.values()]
     # The serving path (HTTP, the Ray hops, the first SSE event) is no engine step: a constant.
-    ttft = np.array([first[r] - arrival[r] for r in first]) + args.serving_overhead_ms / 1e3
+    engine_ttft = np.array([first[r] - arrival[r] for r in first])
+    ttft = engine_ttft + args.serving_overhead_ms / 1e3
     tpot = np.array([(last[r] - first[r]) / (ntok[r] - 1) for r in first if ntok[r] > 1])
     span = max(last.values()) - min(arrival.values())
     return {"hit_rate": sum(s.prefix_cache_hits for s in stats)
             / max(1, sum(s.prefix_cache_queries for s in stats)),
-            "ttft_p50": float(np.median(ttft)), "ttft_p99": float(np.percentile(ttft, 99)),
+            "ttft_p50": float(np.median(ttft)), "engine_ttft_mean": float(engine_ttft.mean()), "ttft_p99": float(np.percentile(ttft, 99)),
             "tpot_p50": float(np.median(tpot)), "tpot_p99": float(np.percentile(tpot, 99)),
             "throughput": sum(ntok.values()) / span, "finished": len(first)}
 

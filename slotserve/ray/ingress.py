@@ -68,6 +68,14 @@ class OpenAIIngress:
         self.processors: dict[str, Processor] = {}
         # model -> its adapters: name -> (lora_int_id, path), as its replicas hold them.
         self.adapters: dict[str, dict[str, tuple[int, str]]] = {}
+        # model -> every LoRA admin request its replicas were sent, in order, and the
+        # replicas that have had them: a replica Serve starts later (a replacement, a scale
+        # up) gets them replayed before a request of that model is routed, so it holds the
+        # same adapters under the same ids (ids are handed out in load order, failures too).
+        self.lora_log: dict[str, list[tuple[str, str, bytes, list[tuple[bytes, bytes]],
+                                            bytes]]] = {}
+        self.synced: dict[str, set[str]] = {}
+        self.sync_lock = asyncio.Lock()
         # What the ingress answers itself carries its own replica id.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
@@ -142,6 +150,7 @@ class OpenAIIngress:
         if admin:
             return await self._admin(path, raw, query, headers, body)
         model, body, hashes, prompt_ids = await self._prepare(path, body)
+        await self._sync_adapters(model)
         headers.append((b"content-length", str(len(body)).encode()))
         peer = raw.client
         client = (peer.host, peer.port) if peer is not None else ("unknown", 0)
@@ -174,10 +183,41 @@ class OpenAIIngress:
             return cast(DeploymentResponseGenerator[dict[str, Any]], handle.handle_http.remote(
                 replica, raw.method, path, query, headers, body))
 
-        answer = await fan_out(live_replicas(model), call)
-        if path in LORA_ADMIN_PATHS:
-            self.adapters[model] = await self.models[model].adapters.remote()
+        async with self.sync_lock:
+            await self._sync_adapters_locked(model)
+            # Only replicas that have had the log: one that appeared since gets this request
+            # with the log when it is synced.
+            replicas = [r for r in live_replicas(model) if r in self.synced[model]]
+            answer = await fan_out(replicas, call)
+            if path in LORA_ADMIN_PATHS:
+                self.lora_log.setdefault(model, []).append(
+                    (raw.method, path, query, headers, body))
+                self.adapters[model] = await self.models[model].adapters.remote()
         return answer
+
+    async def _sync_adapters(self, model: str) -> None:
+        if set(live_replicas(model)) - self.synced.get(model, set()):  # cheap when none
+            async with self.sync_lock:
+                await self._sync_adapters_locked(model)
+
+    async def _sync_adapters_locked(self, model: str) -> None:
+        """Replay the model's LoRA admin requests onto its replicas that have not had them."""
+        synced = self.synced.setdefault(model, set())
+        fresh = [r for r in live_replicas(model) if r not in synced]
+        if not fresh:
+            return
+        handle = self.models[model].options(stream=True)
+        for method, path, query, headers, body in self.lora_log.get(model, ()):
+            def call(replica: str, method: str = method, path: str = path, query: bytes = query,
+                     headers: list[tuple[bytes, bytes]] = headers, body: bytes = body
+                     ) -> DeploymentResponseGenerator[dict[str, Any]]:
+                return cast(DeploymentResponseGenerator[dict[str, Any]],
+                            handle.handle_http.remote(replica, method, path, query, headers,
+                                                      body))
+
+            answer = await fan_out(fresh, call)
+            logger.info("replayed %s onto %s: %d", path, fresh, answer.status_code)
+        synced.update(fresh)
 
     async def _prepare(self, path: str, body: bytes
                        ) -> tuple[str, bytes, list[bytes], list[int] | None]:

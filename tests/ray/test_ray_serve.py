@@ -198,18 +198,19 @@ def test_a_session_stays_on_one_replica(cluster: Cluster) -> None:
     assert refused.value.response.status_code == 403
 
 
-def test_adapters_and_admin_requests_reach_every_replica(cluster: Cluster) -> None:
-    def complete_on_each(model: str) -> dict[str, str]:
-        """Cold prompts until both replicas of `a` answered: replica -> text."""
-        texts: dict[str, str] = {}
-        for i in range(12):
-            replica, text = complete(cluster, f"{i} Adapters answer {i}. " * 3, model=model)
-            texts.setdefault(replica, text)
-            if len(texts) == 2:
-                break
-        assert len(texts) == 2, texts
-        return texts
+def complete_on_each(cluster: Cluster, model: str) -> dict[str, str]:
+    """Cold prompts until both replicas of `a` answered: replica -> text."""
+    texts: dict[str, str] = {}
+    for i in range(12):
+        replica, text = complete(cluster, f"{i} Adapters answer {i}. " * 3, model=model)
+        texts.setdefault(replica, text)
+        if len(texts) == 2:
+            break
+    assert len(texts) == 2, texts
+    return texts
 
+
+def test_adapters_and_admin_requests_reach_every_replica(cluster: Cluster) -> None:
     base, one = complete(cluster, "Speak, adapter")[1], complete(cluster, "Speak, adapter",
                                                                  model="adapter1")[1]
     assert base != one
@@ -219,7 +220,7 @@ def test_adapters_and_admin_requests_reach_every_replica(cluster: Cluster) -> No
     loaded = cluster.post("/v1/load_lora_adapter", ADMIN, json=body)
     assert loaded.status_code == 200, loaded.text
     assert len(loaded.headers[REPLICA_HEADER].split(",")) == 2  # both replicas loaded it
-    complete_on_each("adapter3")  # either replica serves it
+    complete_on_each(cluster, "adapter3")  # either replica serves it
     assert any(m.id == "adapter3" for m in cluster.client().models.list().data)
     again = cluster.post("/v1/load_lora_adapter", ADMIN, json=body)
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
@@ -227,6 +228,9 @@ def test_adapters_and_admin_requests_reach_every_replica(cluster: Cluster) -> No
     assert unloaded.status_code == 200
     with pytest.raises(openai.NotFoundError):
         complete(cluster, "gone", model="adapter3")
+    # Loaded again (under a new id) and left loaded: a replica Serve starts later gets it
+    # replayed (the kill test below).
+    assert cluster.post("/v1/load_lora_adapter", ADMIN, json=body).status_code == 200
     reset = cluster.post("/reset_prefix_cache?model=a", ADMIN)
     assert reset.status_code == 200 and reset.json() == {"success": True}
     assert len(reset.headers[REPLICA_HEADER].split(",")) == 2
@@ -275,6 +279,8 @@ def test_killed_replicas_are_replaced_and_service_goes_on(cluster: Cluster) -> N
         return len(ids) == 2 and a_first not in ids
 
     eventually(a_replaced, 120, "a new replica of a answers")
+    # The adapter loaded at run time was replayed onto the new replica.
+    assert a_first not in complete_on_each(cluster, "adapter3")
 
 
 def test_stop_leaves_no_ray_process(cluster: Cluster) -> None:
