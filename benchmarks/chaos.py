@@ -158,6 +158,8 @@ def main() -> int:
                         "--idle-slot-grace=1")
     p.add_argument("--skip", default="", help="hostile patterns left out (chaos_hostile.py "
                    "--skip)")
+    p.add_argument("--only", default="", help="the only hostile patterns run, e.g. grammars "
+                   "(chaos_hostile.py --only)")
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
     p.add_argument("--json", default=None)
     p.set_defaults(max_num_seqs=16, threads=1)
@@ -181,7 +183,7 @@ def main() -> int:
             [sys.executable, str(Path(__file__).with_name("chaos_hostile.py")), url,
              "--seconds", str(args.chaos_seconds),
              "--sessions", str(args.idle_sessions or 2 * args.max_num_seqs),
-             "--skip", args.skip],
+             "--skip", args.skip, "--only", args.only],
             stdout=subprocess.PIPE)
         during: dict[str, float] = {}
         sampler = threading.Thread(target=sample_max, args=(url, args.chaos_seconds, during))
