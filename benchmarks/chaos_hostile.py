@@ -65,6 +65,8 @@ class Hostile:
         self.ws_url = url.replace("http", "ws", 1) + "/v1/sessions"
         self.deadline = time.monotonic() + seconds
         self.num_sessions = sessions
+        # The chaos run's server has sessions // 2 slots (chaos.py: 2 x slots sessions).
+        self.wide_n = max(1, min(64, sessions // 4))
         self.counts: dict[str, Counts] = {}
 
     def count(self, pattern: str, outcome: object) -> None:
@@ -159,8 +161,10 @@ class Hostile:
         await asyncio.gather(
             self.every(0.5, memory), self.every(0.5, first_token),
             self.every(5.0, lambda: self.post(http, "grammar_0.9MB_schema", so({"json": big}))),
-            self.every(5.0, lambda: self.post(http, "grammar_ambiguous_n64", so(
-                {"grammar": 'start: s\ns: s s | "a" | "b"'}, n=64))),
+            # n as large as the server's slots let one client have (the n=64 needs
+            # 64 slots; past them it is a 400 for n, and no mask is ever filled).
+            self.every(5.0, lambda: self.post(http, "grammar_ambiguous_wide", so(
+                {"grammar": 'start: s\ns: s s | "a" | "b"'}, n=self.wide_n))),
             self.every(2.0, ref_tools))
 
     async def admin_and_auth(self, http: httpx.AsyncClient) -> None:
