@@ -2,6 +2,7 @@
 hostile and careless patterns of benchmarks/chaos_hostile.py (run in a process of their own).
 
     python benchmarks/chaos.py --json chaos.json        # about 3 minutes, localhost only
+    python benchmarks/chaos.py --only grammars          # one class of hostile patterns
 
 It starts `slotserve serve` on the bundled model (engine core in a child process) with the
 engine flags given here, then:
