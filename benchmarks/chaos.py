@@ -2,6 +2,7 @@
 hostile and careless patterns of benchmarks/chaos_hostile.py (run in a process of their own).
 
     python benchmarks/chaos.py --json chaos.json        # about 3 minutes, localhost only
+    python benchmarks/chaos.py --only grammars          # one class of hostile patterns
 
 It starts `slotserve serve` on the bundled model (engine core in a child process) with the
 engine flags given here, then:
@@ -48,6 +49,7 @@ from procs import tree_rss_mb  # noqa: E402
 from serve_bench import serving  # noqa: E402
 
 from slotserve.entrypoints.cli import add_engine_arguments  # noqa: E402
+from slotserve.memory import resident_bytes  # noqa: E402
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "num_paused_sessions",
           "kv_cache_usage_perc", "num_slots_held", "num_requests_admission_waiting")
@@ -158,6 +160,8 @@ def main() -> int:
                         "--idle-slot-grace=1")
     p.add_argument("--skip", default="", help="hostile patterns left out (chaos_hostile.py "
                    "--skip)")
+    p.add_argument("--only", default="", help="the only hostile patterns run, e.g. grammars "
+                   "(chaos_hostile.py --only)")
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
     p.add_argument("--json", default=None)
     p.set_defaults(max_num_seqs=16, threads=1)
@@ -167,11 +171,16 @@ def main() -> int:
     log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)  # noqa: SIM115
     report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()
                                          if isinstance(v, int | float | str | list)}}
-    with serving(args, tuple(args.server_flag), procs.append, log) as url:
+    # A tool-call format, so that the hostile tools (a pydantic-style $ref) reach the grammar.
+    flags = tuple(args.server_flag) + (
+        () if any(f.startswith("--tool-call-parser") for f in args.server_flag)
+        else ("--tool-call-parser", "hermes"))
+    with serving(args, flags, procs.append, log) as url:
         server = procs[0]
         print(f"server up at {url}; warm-up", flush=True)
         asyncio.run(run_normal(url, args.normal_clients, 10))
         rss_start = tree_rss_mb(server.pid)
+        front_start = resident_bytes(server.pid) / 2**20
         print(f"clean run, {args.clean_seconds:g} s", flush=True)
         clean = asyncio.run(run_normal(url, args.normal_clients, args.clean_seconds))
         rss_clean = tree_rss_mb(server.pid)
@@ -181,7 +190,7 @@ def main() -> int:
             [sys.executable, str(Path(__file__).with_name("chaos_hostile.py")), url,
              "--seconds", str(args.chaos_seconds),
              "--sessions", str(args.idle_sessions or 2 * args.max_num_seqs),
-             "--skip", args.skip],
+             "--skip", args.skip, "--only", args.only],
             stdout=subprocess.PIPE)
         during: dict[str, float] = {}
         sampler = threading.Thread(target=sample_max, args=(url, args.chaos_seconds, during))
@@ -193,6 +202,7 @@ def main() -> int:
         report["hostile"] = json.loads(out.decode() or "{}")
         final = wait_drained(url)
         rss_end = tree_rss_mb(server.pid)
+        front_end = resident_bytes(server.pid) / 2**20
         log_bytes = Path(log.name).stat().st_size - log_before
         log_lines = Path(log.name).read_bytes()[log_before:].count(b"\n")
     report["clean"], report["chaos"] = summarize(clean), summarize(chaos)
@@ -201,7 +211,10 @@ def main() -> int:
     report["peak_during_chaos"] = {g: during.get(g, 0.0) for g in GAUGES}
     report["rss_mb"] = {"after_warmup": rss_start, "after_clean": rss_clean,
                         "end_of_chaos": rss_peak, "after_drain": rss_end,
-                        "growth": rss_end - rss_start}
+                        "growth": rss_end - rss_start,
+                        # Which half grew: the front (its own process) and the engine core.
+                        "front_growth": front_end - front_start,
+                        "engine_growth": (rss_end - front_end) - (rss_start - front_start)}
     report["server_log"] = {"lines_during_chaos": log_lines, "bytes": log_bytes,
                             "path": log.name}
     print_report(report)
@@ -229,7 +242,8 @@ def print_report(r: dict[str, Any]) -> None:
     m = r["rss_mb"]
     print(f"server RSS (front + engine): {m['after_warmup']:.0f} MB after warm-up, "
           f"{m['end_of_chaos']:.0f} MB at the end of chaos, {m['after_drain']:.0f} MB after "
-          f"the drain: growth {m['growth']:+.0f} MB")
+          f"the drain: growth {m['growth']:+.0f} MB (front {m['front_growth']:+.0f}, engine "
+          f"{m['engine_growth']:+.0f})")
     log = r["server_log"]
     print(f"server log during chaos: {log['lines_during_chaos']} lines, {log['bytes']} bytes "
           f"({log['path']})")

@@ -14,9 +14,12 @@
    "b"`, repeated. Target: within 2x.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grammar_isolation.py [--seconds 20]
-        [--rounds 3] [--parts front,compiles,masks] [--json out.json]
+        [--rounds 3] [--parts front,compiles,masks | --only masks] [--json out.json]
 
-Medians over --rounds of each measure, and each round's ratio; say the load average.
+Medians over --rounds of each measure, and each round's ratio; say the load average. The
+grammar requests the server refused are counted by status and the field their error names
+(`400 structured_outputs.json`, `400 response_format`): a refusal must name what the client
+sent.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -46,6 +51,21 @@ LARGE = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in r
 HUGE = {"type": "object", "properties": {
     f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 40 + 1}}}$"} for i in range(12_000)}}
 AMBIGUOUS = 'start: s\ns: s s | "a" | "b"'
+PARTS = ("front", "compiles", "masks")
+# What the grammar clients got that was not a 200: "status field" -> count.
+REFUSALS: Counter[str] = Counter()
+
+
+async def grammar_post(http: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    """A grammar client's request; a refusal is counted by the field it names."""
+    r = await http.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        try:
+            param = r.json()["error"].get("param")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            param = None
+        REFUSALS[f"{r.status_code} {param}"] += 1
+    return r
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -55,6 +75,12 @@ def pct(xs: list[float], q: float) -> float:
 async def until(deadline: float, fn: Callable[[], Awaitable[Any]]) -> None:
     while time.monotonic() < deadline:
         await fn()
+
+
+async def during(measure: Awaitable[list[float]], load: list[Awaitable[None]]) -> list[float]:
+    """`measure`'s samples, taken while `load` runs."""
+    measured, *_ = await asyncio.gather(measure, *load)
+    return cast(list[float], measured)
 
 
 async def plain_latencies(http: httpx.AsyncClient, seconds: float) -> list[float]:
@@ -80,14 +106,13 @@ async def front(http: httpx.AsyncClient, seconds: float) -> dict[str, float]:
 
     async def schema(i: int) -> None:
         big = dict(LARGE, description=f"{i}-{next(count)}") if i % 2 else HUGE  # distinct
-        await http.post("/v1/completions", json={
+        await grammar_post(http, {
             "prompt": "Hi", "max_tokens": 2, "user": f"schemas-{i}",
             "structured_outputs": {"json": big}})
         await asyncio.sleep(0.5)  # four in flight at most, not a flood of 0.9 MB bodies
 
-    loaded, *_ = await asyncio.gather(
-        plain_latencies(http, seconds),
-        *(until(deadline, lambda i=i: schema(i)) for i in range(4)))
+    loaded = await during(plain_latencies(http, seconds),
+                          [until(deadline, partial(schema, i)) for i in range(4)])
     return {"alone_p50_ms": pct(alone, 50) * 1e3, "alone_p99_ms": pct(alone, 99) * 1e3,
             "loaded_p50_ms": pct(loaded, 50) * 1e3, "loaded_p99_ms": pct(loaded, 99) * 1e3,
             "loaded_max_ms": max(loaded, default=float("nan")) * 1e3,
@@ -101,7 +126,7 @@ async def light_grammar(http: httpx.AsyncClient, seconds: float, tag: str) -> li
 
     async def one() -> None:
         t = time.monotonic()
-        r = await http.post("/v1/completions", json={
+        r = await grammar_post(http, {
             "prompt": "Yes or no?", "max_tokens": 2, "user": "light",
             "structured_outputs": {"regex": f"(yes|no){{1,{next(count) + 2}}}{tag}"}})
         if r.status_code == 200:
@@ -119,12 +144,12 @@ async def compiles(http: httpx.AsyncClient, seconds: float, round_: int) -> dict
 
     async def heavy() -> None:
         schema = dict(LARGE, description=f"heavy {round_}-{next(count)}")  # never cached
-        await http.post("/v1/completions", json={
+        await grammar_post(http, {
             "prompt": "Hi", "max_tokens": 2, "user": "heavy",
             "structured_outputs": {"json": schema}})
 
-    loaded, *_ = await asyncio.gather(light_grammar(http, seconds, f"B{round_}"),
-                                      *(until(deadline, heavy) for _ in range(4)))
+    loaded = await during(light_grammar(http, seconds, f"B{round_}"),
+                          [until(deadline, heavy) for _ in range(4)])
     return {"alone_p50_s": pct(alone, 50), "alone_max_s": max(alone, default=float("nan")),
             "loaded_p50_s": pct(loaded, 50), "loaded_max_s": max(loaded, default=float("nan"))}
 
@@ -152,7 +177,7 @@ async def masks(http: httpx.AsyncClient, seconds: float) -> dict[str, float]:
         deadline = time.monotonic() + seconds
 
         async def wide(extra: dict[str, Any] = extra) -> None:
-            await http.post("/v1/completions", json={
+            await grammar_post(http, {
                 "prompt": "Hi", "max_tokens": 64, "n": 64, "ignore_eos": True,
                 "user": "wide", **extra})
 
@@ -169,13 +194,15 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
     p.add_argument("--json", default=None)
-    p.add_argument("--parts", default="front,compiles,masks",
+    p.add_argument("--parts", default=",".join(PARTS),
                    help="which measures to run, comma-separated (front, compiles, masks)")
+    p.add_argument("--only", choices=PARTS, default=None,
+                   help="run just this measure (the same as --parts CLASS)")
     p.set_defaults(max_num_seqs=80, threads=1)
     args = p.parse_args()
     args.url, args.api_key = None, None
-    parts = [s for s in args.parts.split(",") if s]
-    unknown = set(parts) - {"front", "compiles", "masks"}
+    parts = [args.only] if args.only else [s for s in args.parts.split(",") if s]
+    unknown = set(parts) - set(PARTS)
     if unknown:
         p.error(f"unknown --parts: {', '.join(sorted(unknown))}")
     rounds: list[dict[str, dict[str, float]]] = []
@@ -193,8 +220,10 @@ def main() -> int:
             print(f"round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
     medians = {part: {k: statistics.median(r[part][k] for r in rounds)
                       for k in rounds[0][part]} for part in rounds[0]}
-    report = {"rounds": rounds, "medians": medians, "loadavg": os.getloadavg()}
-    print(json.dumps({"medians": medians, "loadavg": report["loadavg"]}, indent=2))
+    report = {"rounds": rounds, "medians": medians, "refusals": dict(REFUSALS),
+              "loadavg": os.getloadavg()}
+    print(json.dumps({"medians": medians, "refusals": report["refusals"],
+                      "loadavg": report["loadavg"]}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

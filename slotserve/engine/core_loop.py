@@ -39,6 +39,7 @@ from slotserve.engine.messages import (
     portable,
 )
 from slotserve.errors import EngineDeadError
+from slotserve.gc_freeze import freeze_long_lived, thaw
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,15 @@ class EngineCoreLoop:
                 (EngineCoreRequestType.WAKE, None))
 
     def run(self) -> None:
+        # The core is built: its model and tables live as long as the loop, so GC passes
+        # during steps need not walk them (gc_freeze); thawed when the loop ends.
+        freeze_long_lived("engine core")
+        try:
+            self._run()
+        finally:
+            thaw()
+
+    def _run(self) -> None:
         core = self.core
         while self.state is LoopState.RUNNING:
             ticking = core.has_idle_sessions()

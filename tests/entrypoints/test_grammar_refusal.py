@@ -2,17 +2,24 @@
 budget) reaches its client as a 400 naming the cause, code `grammar_too_expensive`: a JSON
 error body for a whole reply, an SSE error event for a stream; a concurrent request from
 another client is served in full, and nothing is left held (the checker is on). Through the
-real server and the official `openai` client, in both engine modes."""
+real server and the official `openai` client, in both engine modes. A WebSocket session so
+refused ends visibly: a fatal error message naming the cause, then the socket closes with
+1011 and the reason (not a session.done as if it had ended well, nor a silent drop)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from tests.entrypoints.conftest import MODEL_NAME, Served
+from tests.entrypoints.test_sessions import ws_url
 
 GRAMMAR = {"structured_outputs": {"grammar": 'start: s\ns: s s | "a" | "b"'}}
 
@@ -76,3 +83,22 @@ def test_a_stream_refused_for_its_masks_ends_with_an_error_event(over_budget: Se
     assert set(text) <= {"a", "b"}  # what it sent before followed the grammar
     # The server goes on: the next plain reply is served in full.
     assert plain_reply(over_budget).choices[0].finish_reason == "length"
+
+
+def test_a_session_refused_for_its_masks_closes_with_1011(over_budget: Served) -> None:
+    messages: list[dict[str, Any]] = []
+    with connect(ws_url(over_budget.url), open_timeout=30) as ws:
+        assert json.loads(ws.recv(30))["type"] == "session.created"
+        ws.send(json.dumps({"type": "input", "prompt": "To be", "max_tokens": 16,
+                            "ignore_eos": True, **GRAMMAR}))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                messages.append(json.loads(ws.recv(60)))
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1011, closed.value
+    assert "too costly" in closed.value.rcvd.reason, closed.value.rcvd
+    (error,) = [m for m in messages if m["type"] == "error"]
+    assert error["fatal"] is True, error
+    assert error["error"]["code"] == "grammar_too_expensive", error
+    assert error["error"]["param"] == "structured_outputs", error
+    assert not [m for m in messages if m["type"] in ("session.done", "chunk.done")], messages
+    assert {m["type"] for m in messages} <= {"delta", "error"}, messages

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from slotserve.entrypoints.openai.api_server import OFF_LOOP_BODY_BYTES
 from slotserve.entrypoints.openai.body import decode_body
-from slotserve.entrypoints.openai.errors import APIError
+from slotserve.entrypoints.openai.errors import APIError, from_pydantic_errors
 from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.entrypoints.conftest import MODEL_NAME, Served
 
@@ -52,12 +52,43 @@ def test_the_same_verdict_as_strict_json_validation(body: dict[str, Any]) -> Non
     (b'{"model": "m", "prompt": "Hi", "temperature": NaN}', "invalid_json"),
     (b'{"model": "m", "prompt": "Hi"', "invalid_json"),
     (b'{"model": "m", "prompt": "\xff"}', "invalid_json"),
+    (b'{"model": "m", "prompt": "Hi", "temperature": -Infinity}', "invalid_json"),
     (b'[' * 100_000 + b']' * 100_000, "too_deep"),
+    (b'{"model": "m", "prompt": "Hi", "user": ' + b'[' * 250 + b']' * 250 + b'}', "too_deep"),
 ])
 def test_not_json_is_a_400(raw: bytes, code: str) -> None:
     with pytest.raises(APIError) as info:
         decode_body(CompletionRequest, raw)
     assert info.value.status == 400 and info.value.code == code
+
+
+def nested_schema(depth: int) -> bytes:
+    """A completion body whose schema nests `depth` objects (two JSON levels each)."""
+    inner = b'{"type": "string"}'
+    for _ in range(depth):
+        inner = b'{"type": "object", "properties": {"a": ' + inner + b'}}'
+    return b'{"model": "m", "prompt": "Hi", "structured_outputs": {"json": ' + inner + b'}}'
+
+
+def test_a_body_past_200_levels_is_too_deep_on_both_paths() -> None:
+    """The small-body path (model_validate_json) and the large one (from_json) both stop
+    at about 200 levels, and both answer too_deep, not invalid_json."""
+    decode_body(CompletionRequest, nested_schema(90))  # 183 levels: served
+    raw = nested_schema(110)  # 223 levels
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate_json(raw)
+    assert from_pydantic_errors(info.value.errors()).code == "too_deep"
+    with pytest.raises(APIError) as api:
+        decode_body(CompletionRequest, raw)
+    assert api.value.status == 400 and api.value.code == "too_deep"
+
+
+def test_too_deep_through_the_server(served: Served) -> None:
+    raw = nested_schema(110)
+    for body in (raw, raw[:-1] + b', "user": "' + b"x" * OFF_LOOP_BODY_BYTES + b'"}'):
+        r = httpx.post(f"{served.url}/v1/completions", timeout=60, content=body,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_deep", r.text
 
 
 def test_large_bodies_through_the_server(served: Served) -> None:

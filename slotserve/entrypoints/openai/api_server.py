@@ -62,6 +62,7 @@ from slotserve.entrypoints.openai.webui.router import (
     webui_router,
 )
 from slotserve.errors import ConfigError
+from slotserve.gc_freeze import freeze_long_lived, thaw
 from slotserve.lora.request import LoRARequest
 from slotserve.metrics import ServerMetrics
 
@@ -199,9 +200,15 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        if shutdown_engine:
-            engine.shutdown()
+        # Serving starts: the app, the engine client and the tokenizer live until exit, so
+        # GC passes while requests run need not walk them (gc_freeze).
+        freeze_long_lived("server")
+        try:
+            yield
+        finally:
+            if shutdown_engine:
+                engine.shutdown()
+            thaw()
 
     app = FastAPI(title="slotserve", version=slotserve_version(), lifespan=lifespan)
     install_exception_handlers(app)

@@ -67,6 +67,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def too_deep() -> APIError:
+    """A body nested past the JSON parser's depth limit (about 200), or a Python walk of one."""
+    return bad_request("the request nests too deeply", None, "too_deep")
+
+
 _SCALAR_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
@@ -89,6 +94,8 @@ def from_pydantic_errors(errors: list[Any]) -> APIError:
         return bad_request("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
+        if "recursion limit" in str(first.get("msg", "")):
+            return too_deep()
         return bad_request(f"invalid JSON body: {first.get('msg', '')}", None, "invalid_json")
     loc = tuple(first.get("loc", ()))
     param = _loc_to_param(loc)
@@ -111,7 +118,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_dead(503)
     if isinstance(exc, RecursionError):  # walking a client's deeply nested JSON
-        return bad_request("the request nests too deeply", None, "too_deep")
+        return too_deep()
     return internal_error(exc)
 
 

@@ -12,7 +12,9 @@ Protocol (JSON text messages):
                         closes (1000); reason: "end" (the client's), "idle_timeout" (no input
                         for the idle timeout), "length" (the session outgrew the context)
                     {"type": "error", "error": {...}, "fatal": bool}  a refused message (the
-                        session goes on) or, fatal, a failed session (the socket closes, 1011);
+                        session goes on) or, fatal, a failed session (the socket closes, 1011,
+                        the close reason `code: message` cut to 123 bytes), e.g. a grammar the
+                        engine refused for its masks' cost (grammar_too_expensive);
                         a chunk the engine refused as too long for the session names it
                         ("chunk": i; the session goes on, the next chunk is i + 1)
 Each chunk is validated (and tokenized, off the event loop) here, once: what the processor made
@@ -39,7 +41,7 @@ from pydantic import ValidationError
 
 from slotserve.engine.llm_engine import check_session_chunk
 from slotserve.entrypoints.async_llm import StreamingInput
-from slotserve.entrypoints.openai.admission import Ticket, client_key
+from slotserve.entrypoints.openai.admission import Ticket, client_key, tag_client
 from slotserve.entrypoints.openai.errors import APIError, bad_request, from_exception
 from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
@@ -228,9 +230,7 @@ class OpenAIServingSessions(OpenAIServing):
         msg, params = read
         if params.structured_outputs is not None:
             await check_constraint(params.structured_outputs, msg.response_format,
-                                   client_key(msg.user, None)
-                                   if msg.user and not state.chunk_prompt_lens
-                                   else state.client)
+                                   _chunk_client(msg, state))
         return await self.engine.run_off_loop(self._process, msg, params, state)
 
     def _read_chunk(self, raw: str) -> tuple[SessionChunk, SamplingParams] | None:
@@ -270,6 +270,9 @@ class OpenAIServingSessions(OpenAIServing):
                 output_kind=RequestOutputKind.DELTA, continuation_of=None if first else 0)
         except RequestValidationError as exc:
             raise rename_param(from_exception(exc), msg.response_format) from exc
+        # The client's name on the core request, as for HTTP: its grammar compiles take the
+        # client's turn and its masks count against the client's budget per step.
+        tag_client([processed], _chunk_client(msg, state))
         return StreamingInput(prompt, params, processed), msg.user
 
     async def _write(self, ws: WebSocket, session_id: str, state: _SessionState,
@@ -326,7 +329,9 @@ class OpenAIServingSessions(OpenAIServing):
             # The client may be gone already (a failed send is what raised).
             with contextlib.suppress(Exception):
                 await ws.send_json({"type": "error", **err.body(), "fatal": True})
-                await ws.close(code=1011)
+                # The reason too, for a client that reads only the close frame (a grammar
+                # refused for its masks' cost ends the session here, not as session.done).
+                await ws.close(code=1011, reason=close_reason(err))
             return
         await self._finish(ws, session_id, state, reason, message)
 
@@ -346,6 +351,23 @@ class OpenAIServingSessions(OpenAIServing):
         state.total_completion += num_tokens
         return {"type": "chunk.done", "chunk": index, "finish_reason": finish_reason,
                 "stop_reason": stop_reason, "usage": _usage(prompt, num_tokens)}
+
+
+# A close frame's reason is at most 123 bytes of UTF-8 (RFC 6455: 125 less the code).
+MAX_CLOSE_REASON_BYTES = 123
+
+
+def close_reason(err: APIError) -> str:
+    """`code: message`, cut to fit a close frame (on a character boundary)."""
+    text = f"{err.code}: {err.message}" if err.code else err.message
+    return text.encode()[:MAX_CLOSE_REASON_BYTES].decode(errors="ignore")
+
+
+def _chunk_client(msg: SessionChunk, state: _SessionState) -> str:
+    """Who a chunk is for: the first chunk's `user` names the session's client (_admit)."""
+    if msg.user and not state.chunk_prompt_lens:
+        return client_key(msg.user, None)
+    return state.client
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
