@@ -10,7 +10,12 @@ from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.sampling_params import SamplingParams
 from slotserve.spec_decode.config import SpeculativeConfig
-from slotserve.spec_decode.policy import StepCostModel, choose_num_drafts, update_alpha
+from slotserve.spec_decode.policy import (
+    StepCostTable,
+    choose_num_drafts,
+    prior_cost,
+    update_alpha,
+)
 from slotserve.spec_decode.proposers import GlobalSuffixCache, NgramProposer, SuffixProposer
 
 
@@ -83,14 +88,36 @@ def test_finished_outputs_feed_the_suffix_cache() -> None:
         stats.spec_decode_num_accepted_tokens)
 
 
+def test_cost_table_measures_each_size_and_scales_the_prior_between() -> None:
+    cost = StepCostTable()
+    assert cost.estimate(8) == prior_cost(8)  # nothing measured: the prior's units
+    cost.observe(32, 0.2)
+    # One measured size sets the scale of every other through the prior's shape.
+    assert cost.estimate(32) == 0.2
+    assert abs(cost.estimate(64) / cost.estimate(32) - prior_cost(64) / prior_cost(32)) < 1e-9
+    cost.observe(64, 0.5)
+    cost.observe(64, 1.0)  # an exponential average, not the last step
+    assert 0.5 < cost.estimate(64) < 1.0
+    # Between two measured sizes: the prior scaled by their interpolated scales.
+    mid = cost.estimate(48) / prior_cost(48)
+    assert cost.estimate(32) / prior_cost(32) < mid < cost.estimate(64) / prior_cost(64)
+
+
 def test_rule_speculates_at_one_sequence_and_turns_off_at_high_batch() -> None:
-    cost = StepCostModel()
-    for t in (1, 5, 1, 5, 33, 64):  # a step: 10 ms + 0.5 ms per token
+    cost = StepCostTable()
+    for t in range(1, 300):  # a step: 10 ms + 0.5 ms per token
         cost.observe(t, 0.010 + 0.0005 * t)
-    a, b = cost.coefficients()
-    assert abs(a - 0.010) < 2e-3 and abs(b - 0.0005) < 2e-4
-    assert choose_num_drafts(0.8, 4, 1, 1, cost) == 4
-    assert choose_num_drafts(0.1, 4, 1, 1, cost) <= 1
-    assert choose_num_drafts(0.8, 4, 256, 256, cost) == 0
-    assert choose_num_drafts(0.0, 4, 1, 1, cost) == 0
+    assert choose_num_drafts(0.8, 4, 1.0, 1, cost)[0] == 4
+    assert choose_num_drafts(0.1, 4, 1.0, 1, cost)[0] <= 1
+    assert choose_num_drafts(0.8, 4, 256.0, 256, cost) == (0, 0.0)
+    assert choose_num_drafts(0.0, 4, 1.0, 1, cost) == (0, 0.0)
+    # A gain under the margin is no gain: every verified token as dear as a step's share.
+    flat = StepCostTable()
+    for t in range(1, 40):
+        flat.observe(t, 0.001 * t)
+    assert choose_num_drafts(0.99, 7, 8.0, 8, flat) == (0, 0.0)
+    # In scheduler order: the same request pays at an empty step and not after seven
+    # others' drafts made the step dear.
+    assert choose_num_drafts(0.7, 4, 8.0, 8, cost)[0] > 0
+    assert choose_num_drafts(0.7, 4, 8.0 + 7 * 2.0, 8 + 7 * 4, cost)[0] < 4
     assert update_alpha(0.6, 0, 1) < 0.6 < update_alpha(0.6, 3, 3)
