@@ -5,8 +5,8 @@ accepted given the ones before it were (an exponential average over verified pos
 and over shadow proposals that were not verified: with speculation off for a request its
 proposals are still compared with what the model then produced). Per engine, C(T), the
 seconds of a decode/verify step of T scheduled tokens: a table measured from the steps
-themselves (StepCostTable), not a formula, because the quantized kernels' cost steps with
-their row tiles and is far from linear at small T.
+themselves (StepCostTable) over a prior measured on this machine, not a formula, because the
+quantized kernels' cost steps with their row tiles and is far from linear at small T.
 
 The step is planned in scheduler order. With P tokens expected from the step so far (one
 per decoding request plus the expected accepted drafts of the requests before) and T tokens
@@ -21,7 +21,6 @@ grow by E(k) and k for the requests after it. At large batch C(T + k) / C(T) app
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 # Before a request is measured: the acceptance a proposal that exists at all tends to have.
@@ -29,8 +28,13 @@ ALPHA_PRIOR = 0.6
 ALPHA_WEIGHT = 0.15
 # A gain must beat the step-time noise of the measured table by this much (relative).
 MARGIN = 0.04
-# Each measured step moves its T's average this far (the first sets it).
+# Each measured step moves its T's average this far (the first sets it), and the scale of
+# the whole table by SCALE_WEIGHT. The prior counts as PRIOR_COUNT steps against a T's own
+# (at most MAX_COUNT of them): a T's measurement wins only once several steps agree.
 COST_WEIGHT = 0.2
+SCALE_WEIGHT = 0.05
+PRIOR_COUNT = 4
+MAX_COUNT = 16
 # The prior: the relative seconds of a decode/verify step of T tokens (Gemma 3 270M Q4_K_M,
 # one thread, this machine), linear between the points and past the last. From
 # benchmarks/spec_step_cost.py under load (5 other jobs on 2 cores), smoothed by hand: a
@@ -55,43 +59,31 @@ def prior_cost(tokens: int) -> float:
 
 @dataclass(slots=True)
 class StepCostTable:
-    """Seconds of a decode/verify step by its scheduled tokens T, an exponential average per
-    T measured on the engine clock. A T never measured is the prior's shape scaled to the
-    measured T's on either side of it (linearly between their scales), so one measured
-    batch size already sets the table's scale for all."""
+    """Seconds of a decode/verify step by its scheduled tokens T, measured on the engine
+    clock. Every step moves one scale (seconds per prior unit, over all T's); each T also
+    keeps its own average, which outweighs the scaled prior as its steps accumulate. A T
+    never measured is the prior at the measured scale; a T measured a few times in a noisy
+    spell (other processes on the cores) stays near the prior until more steps agree."""
 
     seconds: dict[int, float] = field(default_factory=dict)
-    measured: list[int] = field(default_factory=list)  # sorted keys of `seconds`
+    counts: dict[int, int] = field(default_factory=dict)
+    scale: float = 0.0  # 0: nothing measured yet
 
     def observe(self, tokens: int, seconds: float) -> None:
+        s = seconds / prior_cost(tokens)
+        self.scale = s if self.scale == 0.0 else self.scale + SCALE_WEIGHT * (s - self.scale)
         old = self.seconds.get(tokens)
-        if old is None:
-            self.seconds[tokens] = seconds
-            insort(self.measured, tokens)
-        else:
-            self.seconds[tokens] = old + COST_WEIGHT * (seconds - old)
-
-    def _scale(self, tokens: int) -> float:
-        return self.seconds[tokens] / prior_cost(tokens)
+        n = self.counts.get(tokens, 0)
+        self.seconds[tokens] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        self.counts[tokens] = min(n + 1, MAX_COUNT)
 
     def estimate(self, tokens: int) -> float:
         """C(tokens); before any measurement, in the prior's units."""
-        got = self.seconds.get(tokens)
-        if got is not None:
-            return got
-        keys = self.measured
-        if not keys:
-            return prior_cost(tokens)
-        i = bisect_left(keys, tokens)
-        if i == 0:
-            scale = self._scale(keys[0])
-        elif i == len(keys):
-            scale = self._scale(keys[-1])
-        else:
-            lo, hi = keys[i - 1], keys[i]
-            s_lo, s_hi = self._scale(lo), self._scale(hi)
-            scale = s_lo + (s_hi - s_lo) * (tokens - lo) / (hi - lo)
-        return scale * prior_cost(tokens)
+        prior = prior_cost(tokens) * (self.scale or 1.0)
+        n = self.counts.get(tokens, 0)
+        if n == 0:
+            return prior
+        return (n * self.seconds[tokens] + PRIOR_COUNT * prior) / (n + PRIOR_COUNT)
 
 
 def choose_num_drafts(alpha: float, k_max: int, expected: float, num_tokens: int,
