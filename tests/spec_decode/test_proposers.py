@@ -17,6 +17,7 @@ from slotserve.spec_decode.policy import (
     update_alpha,
 )
 from slotserve.spec_decode.proposers import GlobalSuffixCache, NgramProposer, SuffixProposer
+from slotserve.spec_decode.scheduling import SpecDecodeScheduler
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
@@ -122,3 +123,28 @@ def test_rule_speculates_at_one_sequence_and_turns_off_at_high_batch() -> None:
     assert choose_num_drafts(0.7, 4, 8.0, 8, cost)[0] > 0
     assert choose_num_drafts(0.7, 4, 8.0 + 7 * 2.0, 8 + 7 * 4, cost)[0] < 4
     assert update_alpha(0.6, 0, 1) < 0.6 < update_alpha(0.6, 3, 3)
+
+
+def test_requests_decide_in_scheduler_order_against_the_planned_step() -> None:
+    spec = SpecDecodeScheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    for t in list(range(1, 64)) * 20:  # a step: 10 ms + 0.2 ms per token
+        spec.cost.observe(t, 0.010 + 0.0002 * t)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    reqs = []
+    for i in range(8):
+        r = Request(f"r{i}", [7, 8, 9, 10, 7, 8, 9], params)  # proposes 10, 7, 8, 9
+        r.num_computed_tokens = r.num_tokens - 1
+        reqs.append(r)
+
+    def step() -> list[int]:
+        n = [len(spec.propose(r, 64, 256, len(reqs))) for r in reqs]
+        spec.take_scheduled({r.request_id: 1 + k for r, k in zip(reqs, n, strict=True)}, 0.0)
+        return n
+
+    first = step()
+    # The first requests take drafts while they pay; the step's cost then stops the rest.
+    assert first[0] > 0 and first[-1] == 0 and first == sorted(first, reverse=True)
+    # Each step is planned afresh, and a request given back its drafts gives back its share.
+    assert step() == first
+    assert spec.propose(reqs[0], 64, 256, len(reqs)) and spec.unpropose("r0")
+    assert spec._plan_tokens == len(reqs) and abs(spec._plan_expected - len(reqs)) < 1e-9
