@@ -14,7 +14,8 @@ scheduled, k drafts for the next request, with E(k) = alpha + ... + alpha^k, pay
 
     (P + E(k)) / C(T + k)  >  (1 + MARGIN) * P / C(T)
 
-The request gets the k in 1..K that maximises the left side, if it passes; P and T then
+by the measured table and by the prior at the measured scale both. The request gets the k
+in 1..K with the largest gain (the smaller of the two), if it passes; P and T then
 grow by E(k) and k for the requests after it. At large batch C(T + k) / C(T) approaches
 (T + k) / T while E(k) < k: speculation turns itself off.
 """
@@ -89,15 +90,26 @@ class StepCostTable:
 def choose_num_drafts(alpha: float, k_max: int, expected: float, num_tokens: int,
                       cost: StepCostTable) -> tuple[int, float]:
     """(k, E(k)) for a request whose proposal has k_max tokens, in a step that so far
-    schedules `num_tokens` tokens and expects `expected` tokens; (0, 0.0) if no k pays."""
-    base = expected / cost.estimate(num_tokens) * (1.0 + MARGIN)
-    best_k, best_e, best_rate = 0, 0.0, base
+    schedules `num_tokens` tokens and expects `expected` tokens; (0, 0.0) if no k pays.
+    The gain must hold by the measured table and by the prior at the measured scale both:
+    a step timed fast in a quiet moment cannot turn speculation on where the prior's shape
+    says it costs, nor can the prior where the table measured the cost."""
+    measured = cost.estimate
+    scale = cost.scale or 1.0
+
+    def scaled(t: int) -> float:
+        return prior_cost(t) * scale
+
+    base_m = expected / measured(num_tokens)
+    base_p = expected / scaled(num_tokens)
+    best_k, best_e, best_gain = 0, 0.0, 1.0 + MARGIN
     e = 0.0
     for k in range(1, k_max + 1):
         e += alpha ** k
-        rate = (expected + e) / cost.estimate(num_tokens + k)
-        if rate > best_rate:
-            best_k, best_e, best_rate = k, e, rate
+        t = num_tokens + k
+        gain = min((expected + e) / measured(t) / base_m, (expected + e) / scaled(t) / base_p)
+        if gain > best_gain:
+            best_k, best_e, best_gain = k, e, gain
     return best_k, best_e
 
 

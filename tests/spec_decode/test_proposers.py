@@ -120,8 +120,15 @@ def test_rule_speculates_at_one_sequence_and_turns_off_at_high_batch() -> None:
     assert choose_num_drafts(0.99, 7, 8.0, 8, flat) == (0, 0.0)
     # In scheduler order: the same request pays at an empty step and not after seven
     # others' drafts made the step dear.
-    assert choose_num_drafts(0.7, 4, 8.0, 8, cost)[0] > 0
-    assert choose_num_drafts(0.7, 4, 8.0 + 7 * 2.0, 8 + 7 * 4, cost)[0] < 4
+    assert choose_num_drafts(0.9, 4, 8.0, 8, cost)[0] > 0
+    assert choose_num_drafts(0.9, 4, 8.0 + 7 * 3.44, 8 + 7 * 4, cost) == (0, 0.0)
+    # The gain must hold by the prior too: a table that measured verify tokens free
+    # (a quiet moment) does not turn speculation on at a batch where the prior says no.
+    quiet = StepCostTable()
+    for t in list(range(1, 64)) * 20:
+        quiet.observe(t, 0.01)
+    assert choose_num_drafts(0.9, 4, 32.0, 32, quiet) == (0, 0.0)
+    assert choose_num_drafts(0.9, 4, 32.0, 32, quiet) != choose_num_drafts(0.9, 4, 1.0, 1, quiet)
     assert update_alpha(0.6, 0, 1) < 0.6 < update_alpha(0.6, 3, 3)
 
 
@@ -131,7 +138,7 @@ def test_requests_decide_in_scheduler_order_against_the_planned_step() -> None:
         spec.cost.observe(t, 0.010 + 0.0002 * t)
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     reqs = []
-    for i in range(8):
+    for i in range(4):
         r = Request(f"r{i}", [7, 8, 9, 10, 7, 8, 9], params)  # proposes 10, 7, 8, 9
         r.num_computed_tokens = r.num_tokens - 1
         reqs.append(r)
