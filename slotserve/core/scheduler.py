@@ -244,8 +244,7 @@ class Scheduler:
                 continue
             if self.spec is not None and r.num_tokens - r.num_computed_tokens == 1:
                 # Drafts count against the budget and max_model_len (propose caps them).
-                n += len(self.spec.propose(r, budget - 1, max_model_len, len(running),
-                                           len(running)))
+                n += len(self.spec.propose(r, budget - 1, max_model_len, len(running)))
             while True:
                 new_blocks = kv.allocate_slots(r, n)
                 if new_blocks is not None:

@@ -20,7 +20,7 @@ from slotserve.core.request import Request
 from slotserve.spec_decode.config import SpeculativeConfig
 from slotserve.spec_decode.policy import (
     ALPHA_PRIOR,
-    StepCostModel,
+    StepCostTable,
     choose_num_drafts,
     update_alpha,
 )
@@ -55,7 +55,12 @@ class SpecDecodeScheduler:
                       if config.method == "suffix" else None)
         # This step's drafts by request, handed to the worker in SchedulerOutput.
         self.scheduled: dict[str, list[int]] = {}
-        self.cost = StepCostModel()
+        self.cost = StepCostTable()
+        # The step as planned so far, in scheduler order: tokens scheduled and tokens
+        # expected (None: no request asked yet this step); E(k) of each request's drafts.
+        self._plan_tokens: int | None = None
+        self._plan_expected = 0.0
+        self._expected_of: dict[str, float] = {}
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._step_start = 0.0
         self._step_tokens = 0
@@ -77,10 +82,11 @@ class SpecDecodeScheduler:
                 "spec_decode_num_accepted_tokens_per_pos": tuple(s.accepted_per_pos)}
 
     # ------------------------------------------------------------------ schedule()
-    def propose(self, r: Request, budget: int, max_model_len: int, num_reqs: int,
-                num_tokens: int) -> list[int]:
+    def propose(self, r: Request, budget: int, max_model_len: int, num_running: int
+                ) -> list[int]:
         """Drafts for running request r, which is scheduled one token (its last) this step
-        with `budget` tokens left after it; num_reqs/num_tokens: the step's expected size."""
+        with `budget` tokens left after it; `num_running`: the step's requests, each
+        expected to be one token and yield one before any drafts."""
         k = min(self.k, budget, max_model_len - r.num_computed_tokens - 1)
         if r.max_tokens is not None:
             k = min(k, r.max_tokens - r.num_output_tokens - 1)
@@ -97,17 +103,29 @@ class SpecDecodeScheduler:
         if not drafts:
             return []
         if self.config.adaptive:
-            n = choose_num_drafts(st.alpha, len(drafts), num_reqs, num_tokens, self.cost)
+            if self._plan_tokens is None:
+                self._plan_tokens, self._plan_expected = num_running, float(num_running)
+            n, e = choose_num_drafts(st.alpha, len(drafts), self._plan_expected,
+                                     self._plan_tokens, self.cost)
             if n == 0:
                 st.shadow = drafts[0]
                 return []
             drafts = drafts[:n]
+            self._plan_tokens += n
+            self._plan_expected += e
+            self._expected_of[r.request_id] = e
         self.scheduled[r.request_id] = drafts
         return drafts
 
     def unpropose(self, request_id: str) -> bool:
         """Take back this step's drafts of a request (no KV room for them); False if none."""
-        return self.scheduled.pop(request_id, None) is not None
+        drafts = self.scheduled.pop(request_id, None)
+        if drafts is None:
+            return False
+        if self._plan_tokens is not None:
+            self._plan_tokens -= len(drafts)
+            self._plan_expected -= self._expected_of.pop(request_id, 0.0)
+        return True
 
     def forget(self, r: Request) -> None:
         """A request ends: its outputs join the suffix cache."""
@@ -123,6 +141,8 @@ class SpecDecodeScheduler:
         the policy's decisions depend only on recorded inputs and a trace replays exactly."""
         out = {rid: d for rid, d in self.scheduled.items() if rid in num_scheduled}
         self.scheduled = {}
+        self._plan_tokens = None
+        self._expected_of.clear()
         self._step_tokens = sum(num_scheduled.values())
         self._step_measurable = bool(num_scheduled) and max(num_scheduled.values()) <= self.k + 1
         self._step_start = now

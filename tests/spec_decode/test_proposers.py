@@ -10,8 +10,14 @@ from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.sampling_params import SamplingParams
 from slotserve.spec_decode.config import SpeculativeConfig
-from slotserve.spec_decode.policy import StepCostModel, choose_num_drafts, update_alpha
+from slotserve.spec_decode.policy import (
+    StepCostTable,
+    choose_num_drafts,
+    prior_cost,
+    update_alpha,
+)
 from slotserve.spec_decode.proposers import GlobalSuffixCache, NgramProposer, SuffixProposer
+from slotserve.spec_decode.scheduling import SpecDecodeScheduler
 
 
 def test_ngram_proposes_what_followed_the_latest_match() -> None:
@@ -83,14 +89,69 @@ def test_finished_outputs_feed_the_suffix_cache() -> None:
         stats.spec_decode_num_accepted_tokens)
 
 
+def test_cost_table_measures_each_size_over_the_scaled_prior() -> None:
+    cost = StepCostTable()
+    assert cost.estimate(8) == prior_cost(8)  # nothing measured: the prior's units
+    cost.observe(32, 0.2)
+    # One measured size sets the scale of every other through the prior's shape.
+    assert abs(cost.estimate(64) / cost.estimate(32) - prior_cost(64) / prior_cost(32)) < 1e-9
+    # A size measured once stays near the scaled prior; as its steps agree, they win.
+    slow = 3 * cost.estimate(64)
+    cost.observe(64, slow)
+    once = cost.estimate(64)
+    for _ in range(40):
+        cost.observe(64, slow)
+    assert once < 0.6 * slow and cost.estimate(64) > 0.75 * slow
+    assert cost.estimate(48) > prior_cost(48) / prior_cost(32) * 0.2  # the scale moved up
+
+
 def test_rule_speculates_at_one_sequence_and_turns_off_at_high_batch() -> None:
-    cost = StepCostModel()
-    for t in (1, 5, 1, 5, 33, 64):  # a step: 10 ms + 0.5 ms per token
+    cost = StepCostTable()
+    for t in list(range(1, 300)) * 20:  # a step: 10 ms + 0.5 ms per token
         cost.observe(t, 0.010 + 0.0005 * t)
-    a, b = cost.coefficients()
-    assert abs(a - 0.010) < 2e-3 and abs(b - 0.0005) < 2e-4
-    assert choose_num_drafts(0.8, 4, 1, 1, cost) == 4
-    assert choose_num_drafts(0.1, 4, 1, 1, cost) <= 1
-    assert choose_num_drafts(0.8, 4, 256, 256, cost) == 0
-    assert choose_num_drafts(0.0, 4, 1, 1, cost) == 0
+    assert choose_num_drafts(0.8, 4, 1.0, 1, cost)[0] == 4
+    assert choose_num_drafts(0.1, 4, 1.0, 1, cost)[0] <= 1
+    assert choose_num_drafts(0.8, 4, 256.0, 256, cost) == (0, 0.0)
+    assert choose_num_drafts(0.0, 4, 1.0, 1, cost) == (0, 0.0)
+    # A gain under the margin is no gain: every verified token as dear as a step's share.
+    flat = StepCostTable()
+    for t in list(range(1, 40)) * 20:
+        flat.observe(t, 0.001 * t)
+    assert choose_num_drafts(0.99, 7, 8.0, 8, flat) == (0, 0.0)
+    # In scheduler order: the same request pays at an empty step and not after seven
+    # others' drafts made the step dear.
+    assert choose_num_drafts(0.9, 4, 8.0, 8, cost)[0] > 0
+    assert choose_num_drafts(0.9, 4, 8.0 + 7 * 3.44, 8 + 7 * 4, cost) == (0, 0.0)
+    # The gain must hold by the prior too: a table that measured verify tokens free
+    # (a quiet moment) does not turn speculation on at a batch where the prior says no.
+    quiet = StepCostTable()
+    for t in list(range(1, 64)) * 20:
+        quiet.observe(t, 0.01)
+    assert choose_num_drafts(0.9, 4, 32.0, 32, quiet) == (0, 0.0)
+    assert choose_num_drafts(0.9, 4, 32.0, 32, quiet) != choose_num_drafts(0.9, 4, 1.0, 1, quiet)
     assert update_alpha(0.6, 0, 1) < 0.6 < update_alpha(0.6, 3, 3)
+
+
+def test_requests_decide_in_scheduler_order_against_the_planned_step() -> None:
+    spec = SpecDecodeScheduler(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    for t in list(range(1, 64)) * 20:  # a step: 10 ms + 0.2 ms per token
+        spec.cost.observe(t, 0.010 + 0.0002 * t)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    reqs = []
+    for i in range(4):
+        r = Request(f"r{i}", [7, 8, 9, 10, 7, 8, 9], params)  # proposes 10, 7, 8, 9
+        r.num_computed_tokens = r.num_tokens - 1
+        reqs.append(r)
+
+    def step() -> list[int]:
+        n = [len(spec.propose(r, 64, 256, len(reqs))) for r in reqs]
+        spec.take_scheduled({r.request_id: 1 + k for r, k in zip(reqs, n, strict=True)}, 0.0)
+        return n
+
+    first = step()
+    # The first requests take drafts while they pay; the step's cost then stops the rest.
+    assert first[0] > 0 and first[-1] == 0 and first == sorted(first, reverse=True)
+    # Each step is planned afresh, and a request given back its drafts gives back its share.
+    assert step() == first
+    assert spec.propose(reqs[0], 64, 256, len(reqs)) and spec.unpropose("r0")
+    assert spec._plan_tokens == len(reqs) and abs(spec._plan_expected - len(reqs)) < 1e-9
