@@ -85,7 +85,18 @@ class IncrementalDetokenizer:
         # every one of them in the window it decodes again at each step.
         if token_id >= self._vocab_size or token_id in self._skipped:
             return
-        text = self._stream.step(self._tokenizer, token_id)
+        try:
+            text = self._stream.step(self._tokenizer, token_id)
+        except Exception as exc:
+            # A run of byte-fallback tokens can make the stream's window decode to a prefix
+            # other than the text it already gave out ("Invalid prefix encountered", seen on
+            # Gemma's vocabulary); raising here would fail every request the output handler
+            # serves. vLLM's answer too: give out what was held back and start a new stream.
+            if "Invalid prefix" not in str(exc):
+                raise
+            self.flush()
+            self._stream = DecodeStream([], self._skip_special)
+            text = self._stream.step(self._tokenizer, token_id)
         if text is None:
             self._pending.append(token_id)
         else:
