@@ -248,6 +248,10 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--part", choices=("throughput", "prefix", "both"), default="both")
+    p.add_argument("--model", default=None,
+                   help="model for every server (default: the bundled one). On the bundled model "
+                   "the serving path, not the engine, bounds throughput; a real model such as "
+                   "the Gemma file shows what a second replica adds to the engine's work")
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -271,6 +275,8 @@ def main() -> int:
     p.add_argument("--fit-seconds", type=float, default=40.0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.model:
+        ENGINE_FLAGS.extend(["--model", args.model])
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "dp_bench_logs"
     logs.mkdir(exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.1f}; server logs in {logs}", flush=True)
