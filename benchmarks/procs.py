@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -76,3 +77,24 @@ def tree_rss_mb(pid: int) -> float:
         except OSError:
             continue
     return total / 1024
+
+
+class RssSampler:
+    """The peak of tree_rss_mb(pid), sampled on a thread until stopped."""
+
+    def __init__(self, pid: int, every_s: float = 0.1) -> None:
+        self.pid, self.every_s, self.peak = pid, every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss_mb(self.pid))
+        return self.peak

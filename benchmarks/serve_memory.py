@@ -4,7 +4,8 @@ chat-template child when one runs) after `--concurrency` greedy requests at once
 mapped library and model files). `--mappings` adds each process's RSS by mapping kind from
 /proc/PID/smaps: the model file (mapped weights), torch's libraries, other native libraries,
 the Python binary, the heap and anonymous memory (tensors, the KV pool, Python objects), and
-the largest single mappings.
+the largest single mappings. Also printed: the tree's peak RSS while the requests ran,
+sampled as vs_llamacpp.py samples it.
 
     .venv/bin/python benchmarks/serve_memory.py [--model PATH] [--concurrency 1]
         [--mappings] [-- extra serve flags]
@@ -28,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procs import free_port, gemma_file, stop, wait_healthy  # noqa: E402
+from procs import RssSampler, free_port, gemma_file, stop, wait_healthy  # noqa: E402
 
 SLOTSERVE = Path(sys.executable).parent / "slotserve"
 FIELDS = ("Rss", "Anonymous")
@@ -126,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(proc, url, 300.0)
+        sampler = RssSampler(proc.pid)
         with ThreadPoolExecutor(c) as pool:
             usages = list(pool.map(lambda _: complete(url, args.max_tokens), range(c)))
+        peak = sampler.stop()
         usage = usages[0]
         print(f"after {c} request(s) at once ({usage['prompt_tokens']} prompt + "
               f"{usage['completion_tokens']} generated tokens each):")
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"  {name}")
             if args.mappings:
                 print_mappings(pid)
-        print(f"  total rss {total} MB")
+        print(f"  total rss {total} MB; peak while serving {peak:.0f} MB (the whole tree, "
+              "sampled every 0.1 s, as vs_llamacpp.py)")
     finally:
         stop(proc)
     return 0

@@ -40,7 +40,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from procs import free_port, gemma_file, tree_rss_mb, wait_healthy  # noqa: E402
+from procs import RssSampler, free_port, gemma_file, wait_healthy  # noqa: E402
 
 from slotserve.config import QUANTIZATION_MODES  # noqa: E402
 from slotserve.entrypoints import bench_serve  # noqa: E402
@@ -56,27 +55,6 @@ from slotserve.entrypoints import bench_serve  # noqa: E402
 SLOTSERVE = Path(sys.executable).parent / "slotserve"
 LLAMACPP_DIR = Path(os.environ.get("LLAMACPP_DIR", Path.home() / "llamacpp"))
 CTX_MARGIN = 16  # tokens of KV per sequence beyond prompt + output, for both servers
-
-
-class RssSampler:
-    """The peak of tree_rss_mb(pid), sampled on a thread until stopped."""
-
-    def __init__(self, pid: int, every_s: float = 0.1) -> None:
-        self.pid, self.every_s, self.peak = pid, every_s, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss_mb(self.pid))
-            self._stop.wait(self.every_s)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, tree_rss_mb(self.pid))
-        return self.peak
 
 
 class Server:
