@@ -5,12 +5,18 @@ Building Gemma 3's 262k-token tokenizer from GGUF metadata takes transformers 5-
 are rebuilt from the vocabulary); loading the saved tokenizer.json takes about 2 s. So the
 first start saves it into the cache entry of the file, with the chat template: the file's own,
 or the architecture's known turn format when it has none (logged on every start).
+
+transformers' GGUF conversion imports torch (about 180 MB resident, for good). A process that
+has no torch yet (the server's front) builds the entry in a child interpreter and only loads
+the saved tokenizer.json itself.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +102,39 @@ def _load_saved(tokenizer_file: Path, notes: dict[str, Any]) -> PreTrainedTokeni
 
 
 def _build_gguf_tokenizer(path: Path, out: Path) -> None:
+    if "torch" in sys.modules:  # nothing to keep out of this process: build it here
+        _build_here(path, out)
+        return
+    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+            "from slotserve.checkpoint.tokenizer import build_child_main; "
+            "build_child_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))")
+    rc = subprocess.run([sys.executable, "-c", code, json.dumps(sys.path), str(path), str(out),
+                         str(logger.getEffectiveLevel())], stdin=subprocess.DEVNULL).returncode
+    error = out / _CHILD_ERROR
+    if error.is_file():
+        message = error.read_text()
+        error.unlink()
+        raise ModelLoadError(message)
+    if rc != 0:
+        raise ModelLoadError(f"could not build a tokenizer from the metadata of {str(path)!r}: "
+                             f"the building process exited with code {rc}")
+
+
+_CHILD_ERROR = "error.txt"  # what build_child_main failed with, for the parent to raise
+
+
+def build_child_main(path: str, out: str, log_level: int) -> None:
+    """The child of _build_gguf_tokenizer: build the entry into `out`; a ModelLoadError's
+    text goes back through a file (stderr carries transformers' own warnings)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        _build_here(Path(path), Path(out))
+    except ModelLoadError as exc:
+        (Path(out) / _CHILD_ERROR).write_text(str(exc))
+        sys.exit(3)
+
+
+def _build_here(path: Path, out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     # The architecture decides the fallback chat template; indexing the file here also means
