@@ -15,6 +15,7 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 from slotserve.structured_output import GrammarCompileError, GuidanceBackend
+from slotserve.structured_output.budget import MAX_OPTIONAL_PROPERTIES
 from slotserve.structured_output.grammar import checked_grammar
 from slotserve.structured_output.limits import MAX_ERROR_CHARS, RateLimitedLog, error_excerpt
 from slotserve.structured_output.manager import StructuredOutputManager
@@ -46,6 +47,21 @@ def test_first_token_failure_refused_at_compile(backend: GuidanceBackend, name: 
     assert len(message) <= MAX_ERROR_CHARS
     assert "non-verbose" not in message and "\n" not in message
     assert grammar[:60] not in message  # never our generated grammar
+
+
+def test_optional_properties_budget_is_below_what_the_library_refuses(
+        backend: GuidanceBackend) -> None:
+    # The front's budget (structured_output.budget) refuses more optional properties than
+    # MAX_OPTIONAL_PROPERTIES because the engine's compile would fail them at the first token
+    # (the parser's row of alternatives past max_items_in_row): 499 do, the budget's do not.
+    def optional(num: int) -> str:
+        return LL.grammar_from_json_schema(
+            {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(num)}},
+            defaults={"whitespace_flexible": False})
+
+    backend.compile(optional(MAX_OPTIONAL_PROPERTIES))
+    with pytest.raises(GrammarCompileError, match="row has"):
+        backend.compile(optional(499))
 
 
 def test_a_compiled_grammar_starts_clean(backend: GuidanceBackend) -> None:
