@@ -216,6 +216,12 @@ class EngineCore:
                                                                       g.cached_bytes)
         return stats
 
+    def clear_grammar_cache(self) -> None:
+        """Drop the compiled grammars (a utility: benchmarks/grammar_memory.py measures what
+        the cache held)."""
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.clear_cache()
+
     def get_engine_state(self) -> EngineState:
         """Who holds each worker slot and KV block now (ids and counts, never text)."""
         return snapshot_engine_state(self.scheduler, self.model_runner.slots, self.num_steps,

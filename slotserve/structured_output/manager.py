@@ -206,6 +206,14 @@ class StructuredOutputManager:
         if evicted:
             trim_heap()
 
+    def clear_cache(self) -> None:
+        """Drop every compiled grammar (requests running keep their own matchers) and hand
+        the heap back: what the cache held, measured."""
+        with self._lock:
+            self._cache.clear()
+            self.stats.cached_bytes = self.stats.cached_entries = 0
+        trim_heap()
+
     def _progress(self) -> None:
         if self.on_progress is not None:
             self.on_progress()

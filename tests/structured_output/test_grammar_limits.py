@@ -127,6 +127,21 @@ def test_cache_is_bounded_in_bytes(backend: GuidanceBackend) -> None:
         manager.shutdown()
 
 
+def test_cache_counted_and_emptied(backend: GuidanceBackend) -> None:
+    # The counts /metrics shows (grammar_cache_entries / _bytes), and clear_cache, which
+    # benchmarks/grammar_memory.py uses to show what of the engine's growth the cache held.
+    manager = _manager(backend)
+    try:
+        for i in range(2):
+            manager.request_grammar(LL.grammar_from_regex(f"(yes|no){i}")).result(timeout=120)
+        assert manager.stats.cached_entries == 2 and manager.stats.cached_bytes > 0
+        manager.clear_cache()
+        assert manager.stats.cached_entries == 0 and manager.stats.cached_bytes == 0
+        assert not manager._cache
+    finally:
+        manager.shutdown()
+
+
 def test_validation_uses_the_same_limits() -> None:
     # The front refuses what the core's limits refuse without a tokenizer (grammar size).
     huge = "start: " + " | ".join(f'"w{i}"' for i in range(120_000))
