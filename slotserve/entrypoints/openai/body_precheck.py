@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import multiprocessing
+import os
 import threading
 from typing import Any
 
@@ -29,6 +31,7 @@ import pydantic_core
 from slotserve.entrypoints.openai.errors import bad_request
 from slotserve.errors import RequestValidationError
 from slotserve.structured_output.budget import check_schema_budget
+from slotserve.structured_output.compile_queue import NICE_INCREMENT
 
 PRECHECK_TIMEOUT_S = 5.0
 MAX_WAITING = 8
@@ -74,13 +77,20 @@ def precheck(body: bytes) -> tuple[str, str] | None:
     return None
 
 
+def _lower_priority() -> None:
+    # As the grammar-check threads: on a machine with no spare core the child yields to the
+    # front, the step loop and the forward pass (a large body then waits a little longer).
+    with contextlib.suppress(OSError):
+        os.nice(NICE_INCREMENT)
+
+
 def start() -> concurrent.futures.ProcessPoolExecutor:
     """The child (spawned, not forked: the front runs threads), started once."""
     global _pool
     with _lock:
         if _pool is None:
             _pool = concurrent.futures.ProcessPoolExecutor(
-                1, mp_context=multiprocessing.get_context("spawn"))
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=_lower_priority)
             # Before the interpreter tears its modules down (the pool's thread needs them).
             atexit.register(shutdown, True)
         return _pool
