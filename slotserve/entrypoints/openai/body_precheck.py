@@ -93,6 +93,9 @@ def start() -> concurrent.futures.ProcessPoolExecutor:
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=_lower_priority)
             # Before the interpreter tears its modules down (the pool's thread needs them).
             atexit.register(shutdown, True)
+            # The pool spawns its child at the first submit: now, at start-up, not when the
+            # first large body arrives (the child's imports take a CPU second).
+            _pool.submit(precheck, b"{}")
         return _pool
 
 
