@@ -14,7 +14,6 @@ from pydantic import ValidationError
 
 from slotserve.entrypoints.openai.api_server import OFF_LOOP_BODY_BYTES
 from slotserve.entrypoints.openai.body import decode_body
-from slotserve.entrypoints.openai.body_precheck import precheck
 from slotserve.entrypoints.openai.errors import APIError, from_pydantic_errors
 from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tests.entrypoints.conftest import MODEL_NAME, Served
@@ -104,47 +103,3 @@ def test_large_bodies_through_the_server(served: Served) -> None:
                    content=b'{"model": "m", "user": "' + pad.encode() + b'"',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
-
-
-# Over the validation budget (12,000 properties), 0.7 MB.
-HUGE = {"type": "object", "properties": {
-    f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{i % 40 + 1}}}$"} for i in range(12_000)}}
-
-
-def test_the_child_names_the_field_over_budget() -> None:
-    assert precheck(json.dumps({"structured_outputs": {"json": HUGE}}).encode())[1] == (
-        "structured_outputs.json")
-    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": HUGE}}
-    assert precheck(json.dumps({"response_format": rf}).encode())[1] == "response_format"
-    tool = {"type": "function", "function": {"name": "f", "parameters": HUGE}}
-    verdict = precheck(json.dumps({"tools": [{"type": "function", "function": {
-        "name": "g", "parameters": SCHEMA}}, tool]}).encode())
-    assert verdict is not None and verdict[1] == "tools" and "12000 properties" in verdict[0]
-    assert precheck(json.dumps({"structured_outputs": {"json": SCHEMA}}).encode()) is None
-    assert precheck(b"not json") is None  # the front's own decode says why
-
-
-def test_a_schema_over_budget_is_refused_before_the_front_decodes_it(
-        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    import slotserve.entrypoints.openai.api_server as api_server
-
-    decoded: list[int] = []
-    real = api_server.decode_large_body
-
-    async def counting(model: Any, body: bytes) -> Any:
-        decoded.append(len(body))
-        return await real(model, body)
-
-    monkeypatch.setattr(api_server, "decode_large_body", counting)
-    r = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
-        "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2,
-        "structured_outputs": {"json": HUGE}})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "structured_outputs.json" and "12000 properties" in error["message"]
-    assert decoded == []  # refused by the child: this process never decoded the body
-    # A large body within the budget is decoded here, and served.
-    r = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
-        "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "user": "x" * OFF_LOOP_BODY_BYTES})
-    assert r.status_code == 200, r.text
-    assert len(decoded) == 1

@@ -26,7 +26,6 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from slotserve.entrypoints.async_llm import AsyncLLM
-from slotserve.entrypoints.openai import body_precheck
 from slotserve.entrypoints.openai.admission import AdmissionController, default_bounds
 from slotserve.entrypoints.openai.body import decode_large_body
 from slotserve.entrypoints.openai.errors import (
@@ -150,8 +149,6 @@ async def parse_body(raw: Request, model: type[M], limits: ServerLimits) -> M:
                           "invalid_json")
     try:
         if len(body) > OFF_LOOP_BODY_BYTES:
-            # A schema over the budget is refused before this process decodes the body.
-            await body_precheck.refuse_over_budget(body)
             return await decode_large_body(model, body)
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -206,11 +203,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
         # Serving starts: the app, the engine client and the tokenizer live until exit, so
         # GC passes while requests run need not walk them (gc_freeze).
         freeze_long_lived("server")
-        body_precheck.start()  # spawned now, not when the first large body waits for it
         try:
             yield
         finally:
-            body_precheck.shutdown()
             if shutdown_engine:
                 engine.shutdown()
             thaw()
