@@ -11,7 +11,8 @@ Offline, in one process (the front's validation and the engine core together, so
 measure is stricter than the core's alone), on the real Gemma 3 270M GGUF by default (its
 262k vocabulary is what makes lexer states costly). Reported: the resident memory after a
 warm-up request with a small grammar (the grammar library's tokenizer built), after every
-10th request and at the end; how each request ended; the time each refusal took (median,
+10th request and at the end; the compiled-grammar cache then (entries, bytes charged) and
+the memory once it is emptied (what of the growth the cache held); how each request ended; the time each refusal took (median,
 max).
 """
 
@@ -71,7 +72,19 @@ def main() -> int:
             samples.append((n, mb))
             print(f"after {n:4d} requests: {mb:7.0f} MB (+{mb - start_mb:.0f})", flush=True)
     end_mb = resident_bytes() / 2**20
+    # What the growth is: the compiled grammars of the patterns that were served, cached
+    # (and their lexer states, built lazily as their masks are computed, which the cache's
+    # byte charge does not see). Emptying the cache shows how much of the growth it held.
+    stats = llm.get_stats()
+    cache = {"entries": stats.grammar_cache_entries,
+             "charged_mb": stats.grammar_cache_bytes / 2**20}
+    llm.llm_engine.engine_core.call_utility("clear_grammar_cache").result(60)
+    cleared_mb = resident_bytes() / 2**20
+    print(f"grammar cache at the end: {cache['entries']} entries charged "
+          f"{cache['charged_mb']:.0f} MB; after emptying it: {cleared_mb:.0f} MB "
+          f"(+{cleared_mb - start_mb:.0f})", flush=True)
     report = {"start_mb": start_mb, "end_mb": end_mb, "growth_mb": end_mb - start_mb,
+              "grammar_cache": cache, "after_cache_cleared_mb": cleared_mb,
               "peak_sample_mb": max(mb for _, mb in samples), "outcomes": dict(outcomes),
               "refusal_s_median": statistics.median(refusal_s) if refusal_s else None,
               "refusal_s_max": max(refusal_s, default=None), "target_growth_mb": TARGET_MB}

@@ -56,6 +56,11 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
      "are first used).", "kv_cache_bytes"),
     ("engine_resident_memory_bytes", "Resident memory of the engine core's process (the "
      "serving process's own is process_resident_memory_bytes).", "resident_bytes"),
+    ("grammar_cache_entries", "Compiled grammars in the engine's cache.",
+     "grammar_cache_entries"),
+    ("grammar_cache_bytes", "Bytes the compiled grammars in the cache are charged (what the "
+     "engine grew by compiling each; bounded by the cache's byte limit).",
+     "grammar_cache_bytes"),
 )
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -74,6 +79,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("engine_loop_busy_seconds", "Wall seconds the engine loop spent inside step().", "busy_s"),
     ("engine_loop_busy_cpu_seconds", "CPU seconds the engine loop thread spent inside step().",
      "busy_cpu_s"),
+    ("grammars_compiled", "Grammars compiled (cache misses; failed compiles included).",
+     "num_grammars_compiled"),
     # Speculative decoding (vLLM's names; acceptance by position below).
     ("spec_decode_num_drafts", "Proposals verified (one per request and step with drafts).",
      "spec_decode_num_drafts"),

@@ -212,7 +212,15 @@ class EngineCore:
             stats.num_grammars_compiled, stats.grammar_compile_s = g.num_compiled, g.compile_s
             stats.num_grammar_mask_rows = g.num_mask_rows
             stats.grammar_mask_fill_s, stats.grammar_mask_wait_s = g.mask_fill_s, g.mask_wait_s
+            stats.grammar_cache_entries, stats.grammar_cache_bytes = (g.cached_entries,
+                                                                      g.cached_bytes)
         return stats
+
+    def clear_grammar_cache(self) -> None:
+        """Drop the compiled grammars (a utility: benchmarks/grammar_memory.py measures what
+        the cache held)."""
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.clear_cache()
 
     def get_engine_state(self) -> EngineState:
         """Who holds each worker slot and KV block now (ids and counts, never text)."""

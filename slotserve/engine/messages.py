@@ -99,6 +99,10 @@ class EngineStats(SchedulerStats):
     num_grammar_mask_rows: int = 0
     grammar_mask_fill_s: float = 0.0
     grammar_mask_wait_s: float = 0.0
+    # The compiled-grammar cache now: entries, and the bytes they are charged (what the
+    # process grew by while compiling each, bounded by max_cached_bytes).
+    grammar_cache_entries: int = 0
+    grammar_cache_bytes: int = 0
     # Memory of the core: the model's weights (quantized blocks included) and the KV cache
     # allocation in bytes, and the core process's resident set when the stats were taken.
     weights_bytes: int = 0

@@ -5,7 +5,9 @@ object (measured on a 2-core machine under load: 250 optional properties 0.2 s, 
 2,000 3.4 s; the chaos benchmark's 0.9 MB schema with 12,000 took 6 s unloaded and 109 s
 loaded), and a Rust call cannot be stopped once it runs. So a schema is measured first, in
 one pass without recursion (a schema nested 100,000 deep costs no stack): past the budget it
-is a 400 at once, naming what was too large. What fits the budget is validated on the one
+is a 400 at once, naming what was too large (also an object with more optional properties
+than llguidance's parser can follow, which the engine's compile would refuse only after
+building the grammar). What fits the budget is validated on the one
 thread of `grammar_check_pool()`, never on the front's threads that tokenize: four large
 schemas then wait for each other, not every plain request for them.
 """
@@ -28,6 +30,12 @@ sre_parse: Any = importlib.import_module("re._parser")
 MAX_SCHEMA_NODES = 5_000
 # Properties of one object schema (the superlinear part of llguidance's work).
 MAX_OBJECT_PROPERTIES = 1_000
+# Optional properties of one object: where one may come, any later one may come instead, so
+# the parser's row there holds about 4 Earley items per optional property, and llguidance
+# fails a row past `max_items_in_row` (2,000) when the engine compiles (499 optional
+# properties fail at the first token). Refused here, before any llguidance call, with room
+# to spare for property schemas that add items of their own.
+MAX_OPTIONAL_PROPERTIES = 450
 # Longest regex whose counted repetitions are measured (parsing takes ~4 us a character).
 MAX_PARSED_PATTERN_CHARS = 10_000
 _COUNTED = re.compile(r"\{\s*\d")
@@ -52,13 +60,30 @@ def check_schema_budget(schema: Any, param: str) -> None:
             if isinstance(pattern, str):
                 check_regex_budget(pattern, param)
             props = node.get("properties")
-            if isinstance(props, dict) and len(props) > MAX_OBJECT_PROPERTIES:
-                raise RequestValidationError(
-                    f"an object in the JSON schema has {len(props)} properties, more than "
-                    f"the limit of {MAX_OBJECT_PROPERTIES}", param)
+            if isinstance(props, dict):
+                check_properties_budget(props, node.get("required"), param)
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def check_properties_budget(props: dict[str, Any], required: Any, param: str) -> None:
+    """RequestValidationError when one object has more properties, or more optional ones,
+    than the budget allows."""
+    if len(props) > MAX_OBJECT_PROPERTIES:
+        raise RequestValidationError(
+            f"an object in the JSON schema has {len(props)} properties, more than the limit "
+            f"of {MAX_OBJECT_PROPERTIES}", param)
+    if len(props) <= MAX_OPTIONAL_PROPERTIES:
+        return
+    names = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    optional = sum(1 for name in props if name not in names)
+    if optional > MAX_OPTIONAL_PROPERTIES:
+        raise RequestValidationError(
+            f"an object in the JSON schema has {optional} optional properties, more than the "
+            f"limit of {MAX_OPTIONAL_PROPERTIES} (the grammar library follows at most 2,000 "
+            "alternatives at one point of the output, about 4 per optional property): "
+            "list more of them in `required`, or split the object", param)
 
 
 def check_regex_budget(pattern: str, param: str) -> None:

@@ -74,12 +74,14 @@ GRAMMAR_TOO_EXPENSIVE = "grammar_too_expensive"
 class StructuredOutputStats:
     """Cumulative: grammars compiled (cache misses) and the seconds they took; bitmask rows
     filled, the seconds spent filling them, and the part of that the step loop waited for
-    (all of it without overlap; only what the forward pass did not hide with it)."""
+    (all of it without overlap; only what the forward pass did not hide with it). Now: the
+    compiled grammars cached and the bytes they are charged."""
 
     num_compiled: int = 0
     compile_s: float = 0.0
     num_failed: int = 0
     cached_bytes: int = 0
+    cached_entries: int = 0
     num_mask_rows: int = 0
     num_mask_refused: int = 0
     mask_fill_s: float = 0.0
@@ -176,6 +178,7 @@ class StructuredOutputManager:
                 self._cache[grammar] = (result, cost)
                 self.stats.cached_bytes += cost
                 self._evict()
+                self.stats.cached_entries = len(self._cache)
             self._inflight.pop(grammar, None)
             self._waiters.pop(grammar, None)
         if isinstance(result, GrammarCompileError):
@@ -202,6 +205,14 @@ class StructuredOutputManager:
             evicted = True
         if evicted:
             trim_heap()
+
+    def clear_cache(self) -> None:
+        """Drop every compiled grammar (requests running keep their own matchers) and hand
+        the heap back: what the cache held, measured."""
+        with self._lock:
+            self._cache.clear()
+            self.stats.cached_bytes = self.stats.cached_entries = 0
+        trim_heap()
 
     def _progress(self) -> None:
         if self.on_progress is not None:

@@ -15,8 +15,10 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.errors import RequestValidationError
 from slotserve.memory import resident_bytes
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
+from slotserve.structured_output import grammar as grammar_module
 from slotserve.structured_output.budget import (
     MAX_OBJECT_PROPERTIES,
+    MAX_OPTIONAL_PROPERTIES,
     MAX_SCHEMA_NODES,
     check_regex_budget,
 )
@@ -41,6 +43,28 @@ def test_too_many_properties_or_subschemas() -> None:
     wide: dict[str, Any] = {"anyOf": [{"type": "integer", "minimum": i}
                                       for i in range(MAX_SCHEMA_NODES + 1)]}
     assert "subschemas" in str(refused(StructuredOutputsParams(json=wide)))
+
+
+def _object(num: int, required: int = 0) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(num)},
+            "required": [f"p{i}" for i in range(required)]}
+
+
+def test_too_many_optional_properties_refused_before_the_library(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1,000 optional properties are within the property count but not what the engine's
+    # compile can follow (test_grammar_limits): refused without any llguidance call.
+    def no_library(*_: Any, **__: Any) -> str:
+        raise AssertionError("the schema reached llguidance")
+
+    monkeypatch.setattr(grammar_module, "json_schema_grammar", no_library)
+    err = refused(StructuredOutputsParams(json=_object(MAX_OBJECT_PROPERTIES)))
+    assert err.param == "structured_outputs.json"
+    assert f"{MAX_OBJECT_PROPERTIES} optional properties" in str(err) and "required" in str(err)
+    monkeypatch.undo()
+    # As many properties, enough of them required: within the budget, checked as before.
+    checked_grammar(StructuredOutputsParams(
+        json=_object(MAX_OBJECT_PROPERTIES, MAX_OBJECT_PROPERTIES - MAX_OPTIONAL_PROPERTIES)))
 
 
 def test_deep_schema_costs_no_stack() -> None:

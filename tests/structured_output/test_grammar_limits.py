@@ -15,6 +15,7 @@ from slotserve.entrypoints.llm import LLM
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 from slotserve.structured_output import GrammarCompileError, GuidanceBackend
+from slotserve.structured_output.budget import MAX_OPTIONAL_PROPERTIES
 from slotserve.structured_output.grammar import checked_grammar
 from slotserve.structured_output.limits import MAX_ERROR_CHARS, RateLimitedLog, error_excerpt
 from slotserve.structured_output.manager import StructuredOutputManager
@@ -46,6 +47,21 @@ def test_first_token_failure_refused_at_compile(backend: GuidanceBackend, name: 
     assert len(message) <= MAX_ERROR_CHARS
     assert "non-verbose" not in message and "\n" not in message
     assert grammar[:60] not in message  # never our generated grammar
+
+
+def test_optional_properties_budget_is_below_what_the_library_refuses(
+        backend: GuidanceBackend) -> None:
+    # The front's budget (structured_output.budget) refuses more optional properties than
+    # MAX_OPTIONAL_PROPERTIES because the engine's compile would fail them at the first token
+    # (the parser's row of alternatives past max_items_in_row): 499 do, the budget's do not.
+    def optional(num: int) -> str:
+        return LL.grammar_from_json_schema(
+            {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(num)}},
+            defaults={"whitespace_flexible": False})
+
+    backend.compile(optional(MAX_OPTIONAL_PROPERTIES))
+    with pytest.raises(GrammarCompileError, match="row has"):
+        backend.compile(optional(499))
 
 
 def test_a_compiled_grammar_starts_clean(backend: GuidanceBackend) -> None:
@@ -107,6 +123,21 @@ def test_cache_is_bounded_in_bytes(backend: GuidanceBackend) -> None:
         # Each entry costs at least its text: at most three fit, the newest is kept.
         assert 1 <= len(manager._cache) <= 3
         assert texts[-1] in manager._cache and texts[0] not in manager._cache
+    finally:
+        manager.shutdown()
+
+
+def test_cache_counted_and_emptied(backend: GuidanceBackend) -> None:
+    # The counts /metrics shows (grammar_cache_entries / _bytes), and clear_cache, which
+    # benchmarks/grammar_memory.py uses to show what of the engine's growth the cache held.
+    manager = _manager(backend)
+    try:
+        for i in range(2):
+            manager.request_grammar(LL.grammar_from_regex(f"(yes|no){i}")).result(timeout=120)
+        assert manager.stats.cached_entries == 2 and manager.stats.cached_bytes > 0
+        manager.clear_cache()
+        assert manager.stats.cached_entries == 0 and manager.stats.cached_bytes == 0
+        assert not manager._cache
     finally:
         manager.shutdown()
 

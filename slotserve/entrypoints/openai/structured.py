@@ -73,6 +73,26 @@ def rename_param(err: APIError, response_format: ResponseFormat | None) -> APIEr
     return err
 
 
+def constraint_field(response_format: ResponseFormat | None, tools: ToolContext | None = None
+                     ) -> str | None:
+    """The field a request's constraint came from when it was not `structured_outputs`
+    (the only name the engine knows): its tools' grammar, or `response_format`."""
+    if tools is not None and tools.constraint is not None:
+        return "tools"
+    if response_format is not None and response_format.type != "text":
+        return "response_format"
+    return None
+
+
+def named_refusal(exc: BaseException, field: str | None) -> APIError:
+    """`exc` as the client's error, a refusal of the constraint named by `field` (what the
+    client sent) instead of the engine's `structured_outputs`."""
+    err = from_exception(exc)
+    if field is not None and (err.param or "").startswith("structured_outputs"):
+        err.param = field
+    return err
+
+
 @dataclass(frozen=True, slots=True)
 class ToolContext:
     """What a chat request with tools needs: the tools for the chat template, and unless
