@@ -28,7 +28,7 @@ def serve_replicas(*, engine_kwargs: dict[str, Any], served_model_name: str,
                    ray_address: str | None, host: str, port: int, api_key: str | None,
                    limits: ServerLimits, tool_call_parser: str | None,
                    enable_admin: bool = False, admin_api_key: str | None = None,
-                   stop: threading.Event | None = None) -> int:
+                   stream_interval: int = 1, stop: threading.Event | None = None) -> int:
     import ray
     from ray import serve
 
@@ -50,8 +50,8 @@ def serve_replicas(*, engine_kwargs: dict[str, Any], served_model_name: str,
             "num_replicas": num_replicas, "router": router, "threads": per_replica,
             # On the local cluster the replicas share its cores evenly.
             "num_cpus": cores / num_replicas if local else float(per_replica),
-            "tool_call_parser": tool_call_parser}], api_key=api_key, limits=limits,
-            enable_admin=enable_admin, admin_api_key=admin_api_key)
+            "tool_call_parser": tool_call_parser, "stream_interval": stream_interval}],
+            api_key=api_key, limits=limits, enable_admin=enable_admin, admin_api_key=admin_api_key)
         serve.run(app, name="slotserve", route_prefix="/")
         logger.info("serving %s on %d replicas (%s router, %d torch threads each) on "
                     "http://%s:%d", served_model_name, num_replicas, router, per_replica,
