@@ -233,10 +233,9 @@ def calibrate(url: str, coef: list[float]) -> tuple[float, float, float]:
     are encoded, parsed, validated, hashed and sent on at every hop). Cold minus hit is
     prefill work alone, both being as long, so it gives how much slower than at the fit the
     engine runs now (a shared machine's load moves it 2x within minutes; the step model's
-    shape, not its scale, is what the fit knows); hit minus short is the serving path's cost
-    of the longer prompt (a constant for every prompt length before, which put it in the
-    speed factor: cold requests came out right and hits, the prefix router's median
-    request, 20% short). Each hit probe is the last of three tails, so under pow2 both
+    shape, not its scale, is what the fit knows) without the long prompt's serving cost in
+    it; hit minus short is that cost (which a hit, the prefix router's median request, pays
+    behind its short step). Each hit probe is the last of three tails, so under pow2 both
     replicas hold the prompt by then."""
     rng = random.Random(1)
 
