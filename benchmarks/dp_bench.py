@@ -19,9 +19,8 @@ prefix's hit rate >= 0.9x one replica's, TTFT median <= 0.7x pow2's); then the f
 simulator's prediction for each setup (the same trace, `fleet_sim.simulate`) beside the
 measured TTFT p50, throughput and engine-side TTFT mean, with the deviation (the validation
 target: within 15%). Each server is calibrated by idle probes before and after the trace
-(`calibrate`:
-its serving path's latency and how fast its steps run now against the fit), which the
-simulator takes. `--refit` fits the step-time model first; `--setups` runs some setups only.
+(`calibrate`: its serving path's latency, constant and per prompt token, and how fast its
+steps run now against the fit), which the simulator takes. `--refit` fits the step-time model first; `--setups` runs some setups only.
 """
 
 from __future__ import annotations
@@ -52,11 +51,55 @@ from procs import free_port, stop, wait_healthy  # noqa: E402
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 
 MODEL = "dp-bench"
+SERVER_PIDS: dict[str, int] = {}  # url -> the server's pid (its tree's CPU time is read)
 PROBE_LEN = 640  # the cold calibration probe: about one trace request's prompt
 # Admission bounds high enough that the unbounded-rate part is never answered with 429.
 ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024",
                 "--max-waiting-seqs", "4096", "--max-waiting-tokens", "100000000",
                 "--max-client-share", "1.0"]
+
+
+def process_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of `root` and all its descendants (a Ray server's
+    raylet, GCS, proxy, ingress, replicas and their engine cores), by pid, with a short name:
+    Ray's workers name themselves (`ray::ServeReplica:...`) in their command line."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[pid] = (_short_name(cmd), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _short_name(cmd: str) -> str:
+    if cmd.startswith("ray::"):
+        return cmd.split()[0].replace("ray::ServeReplica:", "").replace(":dp-bench", "")
+    if "core_process" in cmd or "engine" in cmd and "slotserve" in cmd and "serve" not in cmd:
+        return "engine core"
+    words = [w for w in cmd.split() if not w.startswith("-")]
+    return " ".join(Path(w).name for w in words[:3])[:40]
+
+
+def cpu_table(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+              wall: float) -> dict[str, float]:
+    """CPU seconds each process spent between two readings, summed by name, printed."""
+    spent: dict[str, float] = {}
+    for pid, (name, cpu) in after.items():
+        spent[name] = spent.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
+    rows = sorted(((v, k) for k, v in spent.items() if v >= 0.05), reverse=True)
+    print(f"    CPU seconds per process over the {wall:.1f} s run (total "
+          f"{sum(spent.values()):.1f}):", flush=True)
+    for v, k in rows:
+        print(f"      {v:7.2f}  {k}", flush=True)
+    return spent
 
 
 @contextmanager
@@ -69,6 +112,7 @@ def server(flags: list[str], log: Path) -> Iterator[str]:
              "--served-model-name", MODEL, "--log-level", "warning", *ENGINE_FLAGS, *flags],
             stdout=out, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
+        SERVER_PIDS[url] = proc.pid
         try:
             wait_healthy(proc, url, timeout=600, name=" ".join(flags), log=log)
             # The Ray ingress is healthy before its replicas; wait until a request answers.
@@ -133,57 +177,88 @@ def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     setups = {"1 process x 1 thread": ["--threads", "1"],
               "1 process x 2 threads": ["--threads", "2"],
               "2 replicas x 1 thread": ["--data-parallel-size", "2", "--threads", "1"]}
+    if args.stream_interval > 1:  # the same, SSE events sent on in batches after the first
+        setups[f"2 replicas, interval {args.stream_interval}"] = [
+            "--data-parallel-size", "2", "--threads", "1",
+            "--stream-interval", str(args.stream_interval)]
     out = {}
     for name, flags in setups.items():
+        if args.setups and name not in args.setups.split(";"):
+            continue
         with server(flags, logs / f"{name.replace(' ', '_')}.log") as url:
             run(url, reqs[:8], [0.0] * 8)  # warm-up
+            cpu0, me0, t0 = process_cpu(SERVER_PIDS[url]), time.process_time(), time.time()
             r = out[name] = run(url, reqs, [0.0] * len(reqs))
-        print(f"{name:<24} {r['throughput']:8.1f} output tok/s  ({r['failed']} failed)",
-              flush=True)
+            wall = time.time() - t0
+            cpu1, me1 = process_cpu(SERVER_PIDS[url]), time.process_time()
+        print(f"{name:<24} {r['throughput']:8.1f} output tok/s  ({r['failed']} failed; "
+              f"load average {os.getloadavg()[0]:.1f}; the load generator {me1 - me0:.1f} "
+              "CPU s)", flush=True)
+        r["cpu_s"] = cpu_table(cpu0, cpu1, wall)
+    if "1 process x 1 thread" not in out or "1 process x 2 threads" not in out:
+        return out
     base = out["1 process x 1 thread"]["throughput"]
-    dp2 = out["2 replicas x 1 thread"]["throughput"]
     two = out["1 process x 2 threads"]["throughput"]
-    verdict("2 replicas / 1 process x 1 thread", dp2 / base, ">=", 1.7)
-    verdict("2 replicas / 1 process x 2 threads", dp2 / two, ">", 1.0)
+    for name in [n for n in out if n.startswith("2 replicas")]:
+        dp2 = out[name]["throughput"]
+        verdict(f"{name} / 1 process x 1 thread", dp2 / base, ">=", 1.7)
+        verdict(f"{name} / 1 process x 2 threads", dp2 / two, ">", 1.0)
     return out
 
 
 def verdict(what: str, ratio: float, op: str, target: float) -> bool:
     met = ratio >= target if op == ">=" else ratio > target if op == ">" else ratio <= target
-    print(f"  {what:<40} x{ratio:5.2f}   target {op} {target:g}: "
+    print(f"  {what:<58} x{ratio:5.2f}   target {op} {target:g}: "
           f"{'met' if met else 'MISSED'}", flush=True)
     return met
 
 
 def simulated(args: argparse.Namespace, replicas: int, policy: str, coef: list[float],
-              overhead_ms: float) -> dict[str, float]:
+              overhead_ms: float, per_token_ms: float) -> dict[str, float]:
     """The fleet simulator's prediction for one setup of the prefix part (same trace)."""
     sim_args = SimpleNamespace(
         seed=args.seed, prompts=args.prompts, prompt_len=args.prompt_len,
         requests=args.requests, rate=args.rate, out_len=args.out_len, replicas=replicas,
         num_blocks=args.prefix_num_blocks, max_num_seqs=32, report_s=1.0,
-        serving_overhead_ms=overhead_ms)
+        serving_overhead_ms=overhead_ms, serving_ms_per_token=per_token_ms)
     return simulate(policy, coef, sim_args)  # type: ignore[arg-type]
 
 
-def calibrate(url: str, coef: list[float]) -> tuple[float, float]:
-    """(the serving path's latency in ms, the machine's speed factor now) from idle probes
-    sent before and after the trace, never from the trace: the TTFT of a 16-token request is the
-    serving path (HTTP, the Ray hops, the first SSE event) plus its small step; cold
-    PROBE_LEN-token requests add one prefill, whose measured cost over the model's says how
-    much slower than at the fit this server's engine runs now (a shared machine's load moves
-    it 2x within minutes; the step model's shape, not its scale, is what the fit knows)."""
+def calibrate(url: str, coef: list[float]) -> tuple[float, float, float]:
+    """(the serving path's latency in ms, its cost per prompt token in ms, the machine's
+    speed factor now) from idle probes sent before and after the trace, never from the
+    trace. Three kinds: a 16-token request (the serving path plus a small step); cold
+    PROBE_LEN-token ones (plus one prefill); and the same prompts again with a new 16-token
+    tail, a prefix-cache hit (a small step, but the serving path of a long prompt: its ids
+    are encoded, parsed, validated, hashed and sent on at every hop). Cold minus hit is
+    prefill work alone, both being as long, so it gives how much slower than at the fit the
+    engine runs now (a shared machine's load moves it 2x within minutes; the step model's
+    shape, not its scale, is what the fit knows) without the long prompt's serving cost in
+    it; hit minus short is that cost (which a hit, the prefix router's median request, pays
+    behind its short step). Each hit probe is the last of three tails, so under pow2 both
+    replicas hold the prompt by then."""
     rng = random.Random(1)
-    short = statistics.median(
-        run(url, [client.BenchRequest([50 + i for i in range(16)], 1)], [0.0])["ttft_p50_ms"]
-        for _ in range(5))
-    cold = statistics.median(
-        run(url, [client.BenchRequest([rng.randrange(200, 260) for _ in range(PROBE_LEN)], 1)],
-            [0.0])["ttft_p50_ms"] for _ in range(5))
+
+    def ttft(tokens: list[int]) -> float:
+        return float(run(url, [client.BenchRequest(tokens, 1)], [0.0])["ttft_p50_ms"])
+
+    short = statistics.median(ttft([50 + i for i in range(16)]) for _ in range(5))
+    cold, hit = [], []
+    for _ in range(5):
+        prompt = [rng.randrange(200, 260) for _ in range(PROBE_LEN)]
+        cold.append(ttft(prompt))
+        for _ in range(3):
+            last = ttft(prompt + [rng.randrange(200, 260) for _ in range(16)])
+        hit.append(last)
+    n = PROBE_LEN + 16
     small = step_time(coef, (16, 0, 0, 0))
-    model = step_time(coef, (PROBE_LEN, 0, 0, PROBE_LEN * PROBE_LEN // 1000)) - small
-    speed = max(0.25, (cold - short) / 1e3 / model)
-    return max(0.0, short - 1e3 * small * speed), speed
+    hit_step = step_time(coef, (16, 0, 0, 16 * n // 1000))
+    cold_step = step_time(coef, (PROBE_LEN, 0, 0, PROBE_LEN * PROBE_LEN // 1000))
+    speed = max(0.25, (statistics.median(cold) - statistics.median(hit)) / 1e3
+                / max(cold_step - hit_step, 1e-6))
+    per_token = max(0.0, (statistics.median(hit) - short - 1e3 * (hit_step - small) * speed)
+                    / (n - 16))
+    return max(0.0, short - 1e3 * small * speed - 16 * per_token), per_token, speed
 
 
 def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -205,7 +280,7 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         if args.setups and name not in args.setups.split(";"):
             continue
         with server(flags, logs / f"{name.replace(' ', '_').replace(',', '')}.log") as url:
-            overhead, speed = calibrate(url, coef)
+            overhead, per_token, speed = calibrate(url, coef)
             time.sleep(2.5)  # the replicas' next routing stats carry their counters
             before = server_counters(url)
             r = run(url, reqs, at)
@@ -214,13 +289,17 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             # Probed again after the trace: the mean of the two follows a load that drifts
             # during the run better than either alone.
             after = calibrate(url, coef)
-            overhead, speed = (overhead + after[0]) / 2, (speed + after[1]) / 2
-            r["serving_path_ms"], r["speed"] = overhead, speed
-            r["sim"] = simulated(args, *sim_setups[name], [k * speed for k in coef], overhead)
+            overhead, per_token, speed = ((overhead + after[0]) / 2, (per_token + after[1]) / 2,
+                                          (speed + after[2]) / 2)
+            r["serving_path_ms"], r["serving_ms_per_token"], r["speed"] = (
+                overhead, per_token, speed)
+            r["sim"] = simulated(args, *sim_setups[name], [k * speed for k in coef], overhead,
+                                 per_token)
             out[name] = r
         print(f"{name:<20} hit rate {r['hit_rate']:.3f}  TTFT p50 {r['ttft_p50_ms']:7.0f} ms  "
               f"(engine-side mean {r['engine_ttft_mean_ms']:.0f} ms; serving path "
-              f"{overhead:.0f} ms, steps x{speed:.2f} the fit's)  "
+              f"{overhead:.0f} ms + {per_token * 1e3:.1f} us/prompt token, steps x{speed:.2f} "
+              "the fit's)  "
               f"{r['throughput']:7.1f} tok/s  ({r['failed']} failed)", flush=True)
     if len(out) == len(setups):
         pr, pw, one = out["2 replicas, prefix"], out["2 replicas, pow2"], out["1 process"]
@@ -267,8 +346,11 @@ def main() -> int:
     p.add_argument("--out-len", type=int, default=16)
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--rate", type=float, default=2.0)
-    p.add_argument("--setups", default="", help="the prefix part's setups to run, ';' "
+    p.add_argument("--setups", default="", help="the setups to run (either part), ';' "
                    "between names (default: all three, with the verdicts)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="throughput part: also run 2 replicas with `slotserve serve "
+                   "--stream-interval N` (SSE events sent on in batches of N after the first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--refit", action="store_true", help="fit the simulator's step-time "
                    "model first (fleet_sim.py --fit), under the same load as the runs")

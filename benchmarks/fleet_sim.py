@@ -168,6 +168,7 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
         heapq.heappush(events, (t, seq, "arrive", tokens))
         seq += 1
     arrival: dict[str, float] = {}
+    prompt_len: dict[str, int] = {}
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     ntok: dict[str, int] = {}
@@ -188,6 +189,7 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
             req_id = f"q{seq}"
             seq += 1
             arrival[req_id] = now
+            prompt_len[req_id] = len(payload)
             sim = fleet[rid]
             sim.sched.add_request(Request(req_id, payload, params, arrival_time=now))
             if not sim.stepping:
@@ -211,9 +213,13 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
         else:
             sim.stepping = False
     stats = [s.sched.make_stats() for s in fleet.values()]
-    # The serving path (HTTP, the Ray hops, the first SSE event) is no engine step: a constant.
+    # The serving path (HTTP, the Ray hops, the first SSE event) is no engine step: a constant
+    # plus a cost per prompt token (the ids are encoded, parsed, validated, hashed and sent on
+    # at every hop), which a request hitting the cache pays in full behind its short step.
     engine_ttft = np.array([first[r] - arrival[r] for r in first])
-    ttft = engine_ttft + args.serving_overhead_ms / 1e3
+    per_token = getattr(args, "serving_ms_per_token", 0.0)
+    ttft = engine_ttft + np.array([args.serving_overhead_ms + per_token * prompt_len[r]
+                                   for r in first]) / 1e3
     tpot = np.array([(last[r] - first[r]) / (ntok[r] - 1) for r in first if ntok[r] > 1])
     span = max(last.values()) - min(arrival.values())
     return {"hit_rate": sum(s.prefix_cache_hits for s in stats)
@@ -242,6 +248,8 @@ def main() -> int:
                    help="added to every TTFT: the HTTP + Ray path, which the engine-step "
                    "model does not include (measure it: an idle request's TTFT through the "
                    "server minus its prefill step)")
+    p.add_argument("--serving-ms-per-token", type=float, default=0.0,
+                   help="added to every TTFT per prompt token (dp_bench.py calibrates it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()

@@ -223,6 +223,9 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                     help="how requests pick a replica (default: prefix-cache affinity)")
     dp.add_argument("--ray-address", default=None,
                     help="join this Ray cluster (default: start a local one)")
+    dp.add_argument("--stream-interval", type=int, default=1,
+                    help="SSE events a replica sends in one message after the first (vLLM's "
+                    "stream_interval; default 1: each at once)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -310,7 +313,8 @@ def _serve_on_ray(args: argparse.Namespace, limits: ServerLimits) -> int:
         or DEFAULT_MODEL_NAME, num_replicas=args.data_parallel_size, router=args.router,
         threads=args.threads, ray_address=args.ray_address, host=args.host, port=args.port,
         api_key=args.api_key, limits=limits, tool_call_parser=args.tool_call_parser,
-        enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key)
+        enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,
+        stream_interval=args.stream_interval)
 
 
 def _add_bench(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

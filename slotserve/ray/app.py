@@ -42,6 +42,9 @@ class ModelDeployment:
     threads: int = 1
     num_cpus: float = 1.0
     tool_call_parser: str | None = None
+    # SSE events a replica sends on in one message after the first (vLLM's stream_interval):
+    # each costs the Ray path per message, not per byte.
+    stream_interval: int = 1
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> ModelDeployment:
@@ -57,8 +60,8 @@ class ModelDeployment:
         if out.router not in ROUTER_POLICIES:
             raise ConfigError(f"unknown router {out.router!r}; use one of "
                               f"{', '.join(ROUTER_POLICIES)}")
-        if out.num_replicas < 1:
-            raise ConfigError("num_replicas must be at least 1")
+        if out.num_replicas < 1 or out.stream_interval < 1:
+            raise ConfigError("num_replicas and stream_interval must be at least 1")
         return out
 
     @property
@@ -113,7 +116,8 @@ def build_app(args: dict[str, Any] | None = None, *,
                                              threads=spec.threads, limits=limits,
                                              tool_call_parser=spec.tool_call_parser,
                                              enable_admin=enable_admin,
-                                             admin_api_key=admin_api_key)
+                                             admin_api_key=admin_api_key,
+                                             stream_interval=spec.stream_interval)
     ingress = serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0})(OpenAIIngress)
     return ingress.bind(handles, {s.name: s.model_path for s in specs}, api_key=api_key,

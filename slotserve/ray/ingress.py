@@ -45,6 +45,8 @@ from slotserve.ray.state import avoid_replica, live_replicas, replica_reports
 from slotserve.routing.policy import request_block_hashes
 
 logger = logging.getLogger(__name__)
+# What a replica's `handle_http` streams: its answer's ASGI messages, in batches.
+Batches = DeploymentResponseGenerator[list[dict[str, Any]]]
 # A request whose replica died before it answered anything is sent again, this many times.
 MAX_RETRIES = 2
 
@@ -179,8 +181,8 @@ class OpenAIIngress:
         handle = self.models[model].options(stream=True)
         headers = [*headers, (b"content-length", str(len(body)).encode())]
 
-        def call(replica: str) -> DeploymentResponseGenerator[dict[str, Any]]:
-            return cast(DeploymentResponseGenerator[dict[str, Any]], handle.handle_http.remote(
+        def call(replica: str) -> Batches:
+            return cast(Batches, handle.handle_http.remote(
                 replica, raw.method, path, query, headers, body))
 
         async with self.sync_lock:
@@ -210,8 +212,8 @@ class OpenAIIngress:
         for method, path, query, headers, body in self.lora_log.get(model, ()):
             def call(replica: str, method: str = method, path: str = path, query: bytes = query,
                      headers: list[tuple[bytes, bytes]] = headers, body: bytes = body
-                     ) -> DeploymentResponseGenerator[dict[str, Any]]:
-                return cast(DeploymentResponseGenerator[dict[str, Any]],
+                     ) -> Batches:
+                return cast(Batches,
                             handle.handle_http.remote(replica, method, path, query, headers,
                                                       body))
 
@@ -257,7 +259,7 @@ class OpenAIIngress:
                        client: tuple[str, int], prompt_ids: list[int] | None) -> Response:
         handle = self.models[model].options(stream=True)
         for attempt in range(MAX_RETRIES + 1):
-            stream = cast(DeploymentResponseGenerator[dict[str, Any]], handle.handle_http.remote(
+            stream = cast(Batches, handle.handle_http.remote(
                 hashes, method, path, query, headers, body, client, prompt_ids))
             try:
                 start = await stream.__anext__()

@@ -28,18 +28,22 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
 class Relay(Response):
-    """Sends the replica's ASGI messages on as they come (SSE streams through)."""
+    """Sends the replica's ASGI messages on as they come (SSE streams through), in the
+    batches the replica sends (`server.coalesced`; the first opens with the start)."""
 
-    def __init__(self, start: dict[str, Any], rest: AsyncIterator[dict[str, Any]]) -> None:
-        self._start, self._rest = start, rest
-        self.status_code = start["status"]
+    def __init__(self, first: list[dict[str, Any]],
+                 rest: AsyncIterator[list[dict[str, Any]]]) -> None:
+        self._first, self._rest = first, rest
+        self.status_code = first[0]["status"]
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(self._start)
+        for message in self._first:
+            await send(message)
         try:
-            async for message in self._rest:
-                await send(message)
+            async for batch in self._rest:
+                for message in batch:
+                    await send(message)
         except REPLICA_GONE:
             # The replica died mid-answer: what was sent stays sent; an SSE client gets an
             # error event, then the stream ends.
@@ -93,7 +97,7 @@ async def relay_session(ws: WebSocket, handle: DeploymentHandle, max_message_byt
 
 
 async def fan_out(replicas: list[str],
-                  call: Callable[[str], DeploymentResponseGenerator[dict[str, Any]]]
+                  call: Callable[[str], DeploymentResponseGenerator[list[dict[str, Any]]]]
                   ) -> Response:
     """The same request on every replica (an admin request: each holds its own cache and
     adapters): the first failure's answer if any failed, else the first replica's."""
@@ -103,11 +107,12 @@ async def fan_out(replicas: list[str],
     async def one(replica: str) -> Response:
         stream = call(replica)
         start, body = None, b""
-        async for message in stream:
-            if message["type"] == "http.response.start":
-                start = message
-            else:
-                body += message.get("body", b"")
+        async for batch in stream:
+            for message in batch:
+                if message["type"] == "http.response.start":
+                    start = message
+                else:
+                    body += message.get("body", b"")
         assert start is not None
         headers = {k.decode(): v.decode() for k, v in start.get("headers", ())
                    if k.lower() not in (b"content-length", REPLICA_HEADER.encode())}

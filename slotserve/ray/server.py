@@ -45,34 +45,83 @@ class ReplicaUnavailable(RuntimeError):
         self.replica_id = replica_id
 
 
+def _ends(message: dict[str, Any]) -> bool:
+    return (message["type"] == "websocket.close" or message["type"] == "http.response.body"
+            and not message.get("more_body"))
+
+
 async def drive_asgi(app: Any, scope: dict[str, Any], inbound: asyncio.Queue[dict[str, Any]],
-                     disconnect: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+                     disconnect: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
     """Run the ASGI app in process on `scope`, its `receive` reading `inbound`, and yield
-    the messages it sends until its response (or socket) is closed. When the caller stops
-    listening the app receives `disconnect`."""
+    the messages it sends until its response (or socket) is closed: each time, every message
+    sent since the last (usually one; a response's start and its body together). When the
+    caller stops listening the app receives `disconnect`."""
     sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
     async def send(message: dict[str, Any]) -> None:
-        await sent.put(message)
+        sent.put_nowait(message)
 
     async def run() -> None:
         try:
             await app(scope, inbound.get, send)
         finally:
-            await sent.put(None)
+            sent.put_nowait(None)
 
     task = asyncio.create_task(run())
     try:
-        while (message := await sent.get()) is not None:
-            yield message
-            if (message["type"] == "websocket.close" or message["type"] == "http.response.body"
-                    and not message.get("more_body")):
-                break
+        done = False
+        while not done and (message := await sent.get()) is not None:
+            batch = [message]
+            while not _ends(batch[-1]) and not sent.empty():
+                if (more := sent.get_nowait()) is None:
+                    break
+                batch.append(more)
+            done = _ends(batch[-1])
+            yield batch
     finally:
         inbound.put_nowait(disconnect)  # the ingress went away (or we are done)
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def merge_bodies(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive body messages of an HTTP answer as one (their bytes joined)."""
+    out: list[dict[str, Any]] = []
+    parts: list[bytes] = []
+    for m in messages:
+        if m["type"] == "http.response.body" and out and out[-1]["type"] == m["type"]:
+            parts.append(m.get("body", b""))
+            out[-1] = {**m, "body": b""}
+            continue
+        if parts:
+            out[-1]["body"] = b"".join(parts)
+        parts = [m.get("body", b"")] if m["type"] == "http.response.body" else []
+        out.append(dict(m))
+    if parts:
+        out[-1]["body"] = b"".join(parts)
+    return out
+
+
+async def coalesced(batches: AsyncIterator[list[dict[str, Any]]], stream_interval: int
+                    ) -> AsyncIterator[list[dict[str, Any]]]:
+    """An HTTP answer in as few messages as its stream allows, since every message costs a
+    Ray handle message, the ingress's relay and the proxy's (most of a streamed token's CPU
+    time on 2 cores): the start is held for the first body; the first body goes at once (the
+    time to first token), then every `stream_interval` bodies (SSE events: vLLM's
+    `stream_interval`, 1 sends each at once) and the last; what was already queued goes in
+    one message whatever the interval."""
+    held: list[dict[str, Any]] = []
+    pending = 0  # body messages held
+    first = True
+    async for batch in batches:
+        held += batch
+        pending += sum(m["type"] == "http.response.body" for m in batch)
+        if pending and (first or pending >= stream_interval or _ends(held[-1])):
+            yield merge_bodies(held)
+            held, pending, first = [], 0, False
+    if held:
+        yield merge_bodies(held)
 
 
 def asgi_scope(kind: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
@@ -91,7 +140,7 @@ class LLMServer:
     def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str,
                  threads: int | None = None, limits: ServerLimits | None = None,
                  tool_call_parser: str | None = None, enable_admin: bool = False,
-                 admin_api_key: str | None = None) -> None:
+                 admin_api_key: str | None = None, stream_interval: int = 1) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLM.from_engine_args(engine_mode="process", threads=threads,
                                                 **engine_kwargs)
@@ -100,6 +149,7 @@ class LLMServer:
                              tool_call_parser=tool_call_parser,
                              enable_admin=enable_admin, admin_api_key=admin_api_key,
                              lora_modules=EngineArgs.from_kwargs(**engine_kwargs).lora_requests())
+        self.stream_interval = max(1, stream_interval)
         self.loras: LoRAModels = self.app.state.loras
         self.metrics = self.engine.metrics
         # Open WebSocket sessions on this replica: connection id -> what the client sent.
@@ -131,8 +181,8 @@ class LLMServer:
                           query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                           client: tuple[str, int] = ("ray-serve-ingress", 0),
                           prompt_token_ids: list[int] | None = None
-                          ) -> AsyncIterator[dict[str, Any]]:
-        """The app's ASGI messages for one request. `route` is the router's (the request's
+                          ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The app's ASGI messages for one request, in batches (`coalesced`). `route` is the router's (the request's
         block hashes, or the id of the replica it must go to); `client` is the caller's
         address, which admission control tells clients apart by; `prompt_token_ids`, a
         chat's messages as the ingress rendered them (this replica does not render again)."""
@@ -142,8 +192,9 @@ class LLMServer:
         inbound: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         inbound.put_nowait({"type": "http.request", "body": body, "more_body": False})
         scope = asgi_scope("http", path, query, headers, client, method=method, **extra)
-        async for message in drive_asgi(self.app, scope, inbound, {"type": "http.disconnect"}):
-            yield self._tagged(message)
+        batches = drive_asgi(self.app, scope, inbound, {"type": "http.disconnect"})
+        async for batch in coalesced(batches, self.stream_interval):
+            yield [self._tagged(m) for m in batch]
 
     def _tagged(self, message: dict[str, Any]) -> dict[str, Any]:
         """A response's start (an HTTP answer's, a WebSocket's accept) with this replica's id
@@ -167,9 +218,10 @@ class LLMServer:
         try:
             yield {"type": "slotserve.replica", "replica_id": self.replica_id}
             scope = asgi_scope("websocket", path, query, headers, client, subprotocols=[])
-            async for message in drive_asgi(self.app, scope, inbound,
-                                            {"type": "websocket.disconnect", "code": 1001}):
-                yield self._tagged(message)
+            async for batch in drive_asgi(self.app, scope, inbound,
+                                          {"type": "websocket.disconnect", "code": 1001}):
+                for message in batch:
+                    yield self._tagged(message)
         finally:
             del self.sockets[conn_id]
 

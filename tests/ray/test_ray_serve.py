@@ -152,7 +152,7 @@ def test_a_chat_is_rendered_once_at_the_ingress(cluster: Cluster) -> None:
     stream = handle.options(stream=True).handle_http.remote(
         [], "POST", "/v1/chat/completions", b"", [(b"content-type", b"application/json")],
         body, ("test", 0), ids)
-    answer = b"".join(m.get("body", b"") for m in stream)
+    answer = b"".join(m.get("body", b"") for batch in stream for m in batch)
     assert json.loads(answer)["usage"]["prompt_tokens"] == len(ids) != counted["count"]
 
 
