@@ -21,6 +21,7 @@ them exactly as llama.cpp does). The torch
 kernels run on random data of the right shape; their numerics do not matter for their speed.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quant_kernels.py [--repeats 5] [--m 1,32,512]
+        [--slotserve-only]   # slotserve's kernels alone, GGUF layout and packed (q8repack.h)
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def cpu_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def candidates(n: int, k: int, qtype: Q, m: int
+def candidates(n: int, k: int, qtype: Q, m: int, only_slotserve: bool
                ) -> list[tuple[str, bool, Callable[[], object]]]:
     """(name, keeps the model's numbers, one call)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen)
+    if only_slotserve:
+        return slotserve_candidates(n, k, qtype, x)
     xb = x.bfloat16()
     dense = torch.randn(n, k, generator=gen)
     dense_t = dense.t().contiguous().t()  # the layout slotserve's `none` path uses
@@ -93,22 +96,35 @@ def candidates(n: int, k: int, qtype: Q, m: int
         torch.randn(n, k // 32, generator=gen), None, 32, k, n)
     out.append(("dyn_quant 4bit (int8 act)", False, lambda: torch.ops.aten
                 ._dyn_quant_matmul_4bit(x, packed, 32, k, n)))
-    if qmatmul_available():
-        block, size = GGML_QUANT_SIZES[qtype]
-        rng = np.random.default_rng(0)
-        raw = rng.integers(0, 256, size=(n, k // block * size), dtype=np.uint8)
-        for off in {Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]:
-            blocks = raw.reshape(n, k // block, size)
-            blocks[:, :, off:off + 2] = np.array([1e-3], np.float16).view(np.uint8)
-        y = torch.empty(m, n)
-        levels = native_build.supported_levels()
-        for level in dict.fromkeys([levels[0], *(lv for lv in levels if lv.name == "v3")]):
-            lib = level_library(level)
-            for int8 in (True, False):
-                w = QuantWeight(torch.from_numpy(raw), int(qtype), k, int8, lib)
-                mode = "auto int8" if int8 else "exact f32"
-                out.append((f"slotserve {mode} {level.name}", not int8,
-                            lambda w=w: w.matmul(x, y)))  # type: ignore[misc]
+    return out + slotserve_candidates(n, k, qtype, x)
+
+
+def slotserve_candidates(n: int, k: int, qtype: Q, x: torch.Tensor
+                         ) -> list[tuple[str, bool, Callable[[], object]]]:
+    """slotserve's kernels at the best level here and at v3 (AVX2), GGUF and packed layouts."""
+    out: list[tuple[str, bool, Callable[[], object]]] = []
+    if not qmatmul_available():
+        return out
+    m = x.shape[0]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(n, k // block * size), dtype=np.uint8)
+    for off in {Q.Q8_0: (0,), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]:
+        blocks = raw.reshape(n, k // block, size)
+        blocks[:, :, off:off + 2] = np.array([1e-3], np.float16).view(np.uint8)
+    y = torch.empty(m, n)
+    levels = native_build.supported_levels()
+    for level in dict.fromkeys([levels[0], *(lv for lv in levels if lv.name == "v3")]):
+        lib = level_library(level)
+        for int8 in (True, False):
+            w = QuantWeight(torch.from_numpy(raw), int(qtype), k, int8, lib)
+            mode = "auto int8" if int8 else "exact f32"
+            out.append((f"slotserve {mode} {level.name}", not int8,
+                        lambda w=w: w.matmul(x, y)))  # type: ignore[misc]
+            if w.can_repack:  # what the loader runs: the interleaved layout (q8repack.h)
+                p = w.repacked()
+                out.append((f"slotserve {mode} {level.name} packed", False,
+                            lambda p=p: p.matmul(x, y)))  # type: ignore[misc]
     return out
 
 
@@ -117,6 +133,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--m", default="1,32,512")
     p.add_argument("--skip-lm-head", action="store_true", help="leave out 262144 x 640")
+    p.add_argument("--slotserve-only", action="store_true",
+                   help="only slotserve's kernels (GGUF and packed layouts), not torch's")
     args = p.parse_args()
     torch.set_num_threads(1)
     ms = [int(v) for v in args.m.split(",")]
@@ -129,7 +147,7 @@ def main() -> int:
         for m in ms:
             if n == 262144 and m > 32:
                 continue  # the output projection only runs for the rows that sample
-            for name, exact, fn in candidates(n, k, qtype, m):
+            for name, exact, fn in candidates(n, k, qtype, m, args.slotserve_only):
                 reps = 1 if name.startswith(("int4pack fp32", "int8pack fp32")) else args.repeats
                 ms_ = cpu_ms(fn, reps)
                 rows.setdefault(name, []).append(f"M={m}: {2 * m * n * k / ms_ / 1e6:7.1f}")

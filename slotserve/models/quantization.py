@@ -110,7 +110,7 @@ class _QuantModule(nn.Module):
     weight loaded) replaced the buffers.
 
     Each buffer whose kernel multiplies it faster interleaved (`QuantWeight.repacked`: Q4_0 /
-    Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI) is then replaced by its packed copy, and the
+    Q5_0 / Q8_0 / Q4_K / Q6_K with AVX-512 VNNI or AVX2) is then replaced by its packed copy, and the
     file's pages under a mapped original are dropped, so the weight is resident once either
     way."""
 

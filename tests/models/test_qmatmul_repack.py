@@ -1,13 +1,18 @@
-"""Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K weights repacked into 16 interleaved rows (`csrc/q8repack.h`, the AVX-512
-VNNI build's layout for `--quantization auto`):
+"""Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K weights repacked into groups of interleaved rows
+(`csrc/q8repack.h`) for `--quantization auto`: 16 rows with AVX-512 VNNI (q8repack512.h), 8
+with AVX2, with or without AVX-VNNI, and AVX-512 without VNNI (q8repack256.h), each tested at
+every level this CPU runs:
 
 - every output is within float rounding of the plain reference of llama.cpp's scheme
-  (tests/models/q8_reference.py), for M = 1..9 (the register tile's edges), 17 and 33 rows,
-  one and many blocks, with and without the group decoded ahead; and it is within rounding of
-  the GGUF layout's kernel too (the same integer sums, the float sums in another order);
+  (tests/models/q8_reference.py), for M = 1..9 (the register tiles' edges), 17 and 33 rows,
+  one and many blocks; and it is within rounding of the GGUF layout's kernel too (the same
+  integer sums, the float sums in another order);
+- weights at their extremes (every byte 0xff or random, Q8_0's -128 included) times
+  activations at +-127 give the reference's values: AVX2's int16 partial sums never saturate;
 - the thread split changes no bit; embedding rows read from the packed layout are bit for bit
-  the GGUF layout's dequantized rows;
-- a build without the layout (every level but v4-vnni) reports it, and keeps the GGUF layout;
+  the GGUF layout's dequantized rows (the layout round-trips);
+- a build without the layout (the portable levels) reports it and keeps the GGUF layout, and
+  every level compiles, the AVX-VNNI one too on a CPU without AVX-VNNI (whose tests skip);
   bad shapes are refused.
 """
 
@@ -17,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
 
 from slotserve.models import native_build, native_qmatmul
 from slotserve.models.native_attention import NativeKernelError
@@ -27,45 +33,85 @@ from tests.models.test_qmatmul_int8 import assert_split_changes_no_bit, weight
 
 TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
 LEVELS = native_build.supported_levels()
+# Rows per packed group at each level (0: no packed layout).
+GROUP_ROWS = {"v4-vnni": 16, "v4": 8, "v3-vnni": 8, "v3": 8, "v2": 0, "portable": 0}
+PACKED_LEVELS = [lv for lv in native_build.CPU_LEVELS if GROUP_ROWS[lv.name]]
 
 
-@pytest.fixture(scope="module")
-def lib() -> native_qmatmul._Lib:
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
     if native_build.find_compiler() is None:
         pytest.skip("no C compiler: the quantized matmul kernel cannot be built")
     assert qmatmul_available(), "the quantized matmul kernel did not build"
-    vnni = next((lv for lv in LEVELS if lv.name == "v4-vnni"), None)
-    if vnni is None:
-        pytest.skip("this CPU has no AVX-512 VNNI: no packed layout to test")
-    lib = native_qmatmul.level_library(vnni)
-    assert lib is not None
+
+
+@pytest.fixture(params=PACKED_LEVELS, ids=lambda lv: lv.name)
+def lib(request: pytest.FixtureRequest) -> native_qmatmul._Lib:
+    level: native_build.CpuLevel = request.param
+    if level not in LEVELS:
+        pytest.skip(f"this CPU does not run {level.name} ({level.what})")
+    lib = native_qmatmul.level_library(level)
+    assert lib is not None, f"the kernel did not build for {level.name}"
+    assert lib.repack_rows[int(Q.Q8_0)] == GROUP_ROWS[level.name]
     return lib
+
+
+def check_packed(lib: native_qmatmul._Lib, qtype: Q, data: np.ndarray, dense: np.ndarray,
+                 x: torch.Tensor, what: str) -> None:
+    n, k = dense.shape
+    plain = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib)
+    packed = plain.repacked()
+    assert packed.packed and packed.blocks.shape == plain.blocks.shape
+    assert not np.array_equal(packed.blocks.numpy(), data)
+    m = x.shape[0]
+    got = torch.full((m, n), float("nan"))
+    old = torch.full((m, n), float("nan"))
+    packed.matmul(x, got)
+    plain.matmul(x, old)
+    want = ref.matmul(x.numpy(), dense, None, plain.act_kind)
+    bound = ref.bound(x.numpy(), dense, plain.act_kind)
+    excess = (np.abs(got.numpy() - want) / bound).max()
+    assert excess <= 1.0, f"{what}: error {excess:.2f}x the rounding bound"
+    assert (np.abs(got.numpy() - old.numpy()) / bound).max() <= 2.0, what
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_packed_matmul_equals_llamacpps_scheme(lib: native_qmatmul._Lib, qtype: Q) -> None:
     block = GGML_QUANT_SIZES[qtype][0]
-    for i, (m, n, blocks) in enumerate([(1, 16, 1), (2, 32, 3), (3, 48, 20), (4, 16, 2),
-                                        (5, 16, 1), (6, 32, 5), (7, 16, 2), (8, 16, 3),
-                                        (9, 64, 20), (17, 32, 2), (33, 16, 70)]):
+    rows = lib.repack_rows[int(qtype)]
+    for i, (m, groups, blocks) in enumerate([(1, 1, 1), (2, 2, 3), (3, 3, 20), (4, 1, 2),
+                                             (5, 1, 1), (6, 2, 5), (7, 1, 2), (8, 1, 3),
+                                             (9, 4, 20), (17, 2, 2), (33, 1, 70)]):
         if block == 256:  # the K-quants' blocks are 8 times longer
             blocks = -(-blocks // 8)
-        k = blocks * block
+        k, n = blocks * block, groups * rows
         data, dense = weight(qtype, n, k, seed=40 + i)
-        plain = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib)
-        packed = plain.repacked()
-        assert packed.packed and packed.blocks.shape == plain.blocks.shape
-        assert not np.array_equal(packed.blocks.numpy(), data)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(i))
-        got = torch.full((m, n), float("nan"))
-        old = torch.full((m, n), float("nan"))
-        packed.matmul(x, got)
-        plain.matmul(x, old)
-        want = ref.matmul(x.numpy(), dense, None, plain.act_kind)
-        bound = ref.bound(x.numpy(), dense, plain.act_kind)
-        excess = (np.abs(got.numpy() - want) / bound).max()
-        assert excess <= 1.0, f"{m}x{n}x{k}: error {excess:.2f}x the rounding bound"
-        assert (np.abs(got.numpy() - old.numpy()) / bound).max() <= 2.0
+        check_packed(lib, qtype, data, dense, x, f"{m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_packed_matmul_at_the_extremes(lib: native_qmatmul._Lib, qtype: Q) -> None:
+    """Every weight byte 0xff (the largest nibbles, 5- and 6-bit values; Q8_0's -1) or random
+    (Q8_0's -128 and 127), one small scale; activation rows whose every value quantizes to +-127,
+    of one sign or mixed: the integer sums at their largest."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows = lib.repack_rows[int(qtype)]
+    k, n = 2 * 256, 2 * rows
+    rng = np.random.default_rng(1)
+    scale_at = {Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q8_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+    x = torch.tensor(np.stack([np.full(k, 1.5), np.full(k, -2.0),
+                               np.where(rng.random(k) < 0.5, 1.0, -1.0)]), dtype=torch.float32)
+    for fill in ("ones", "random"):
+        raw = (np.full((n, k // block * size), 0xff, np.uint8) if fill == "ones"
+               else rng.integers(0, 256, size=(n, k // block * size), dtype=np.uint8))
+        blocks = raw.reshape(n, k // block, size)
+        for off in scale_at:
+            blocks[:, :, off:off + 2] = np.array([1e-3], np.float16).view(np.uint8)
+        if qtype == Q.Q8_0 and fill == "random":
+            blocks[:, :, 2:6] = np.array([0x80, 0x7f, 0x80, 0x81], np.uint8)  # -128, 127, ...
+        dense = dequantize(raw, qtype).reshape(n, k).astype(np.float32)
+        check_packed(lib, qtype, raw, dense, x, fill)
 
 
 def test_packed_thread_split_changes_no_bit(lib: native_qmatmul._Lib) -> None:
@@ -79,10 +125,12 @@ def test_packed_thread_split_changes_no_bit(lib: native_qmatmul._Lib) -> None:
 def test_packed_rows_are_the_gguf_rows(lib: native_qmatmul._Lib, qtype: Q) -> None:
     k, n = 3 * GGML_QUANT_SIZES[qtype][0], 48
     data, _ = weight(qtype, n, k, seed=7)
+    if qtype == Q.Q8_0:  # -128, whose + 128 and sign are the layout's edge
+        data.reshape(n, -1, 34)[:, :, 2] = 0x80
     plain = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib)
     packed = plain.repacked()
-    ids = torch.tensor([0, 15, 16, 47, 31, 5])
-    want, got = torch.empty(6, k), torch.empty(6, k)
+    ids = torch.tensor([0, 7, 8, 15, 16, 47, 31, 5])
+    want, got = torch.empty(8, k), torch.empty(8, k)
     plain.rows(ids, want)
     packed.rows(ids, got)
     assert torch.equal(got, want)
@@ -92,7 +140,8 @@ def test_packed_rows_are_the_gguf_rows(lib: native_qmatmul._Lib, qtype: Q) -> No
 
 def test_without_the_layout_weights_stay_as_they_are(lib: native_qmatmul._Lib) -> None:
     k = 64
-    data, _ = weight(Q.Q8_0, 17, k, seed=9)  # 17 rows: not whole groups
+    rows = lib.repack_rows[int(Q.Q8_0)]
+    data, _ = weight(Q.Q8_0, rows + 1, k, seed=9)  # not whole groups
     odd = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=lib)
     assert not odd.can_repack and odd.repacked() is odd
     data, _ = weight(Q.Q5_K, 16, 256, seed=9)
@@ -104,7 +153,17 @@ def test_without_the_layout_weights_stay_as_they_are(lib: native_qmatmul._Lib) -
         other = native_qmatmul.level_library(level)
         assert other is not None
         w = QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=other)
-        assert w.can_repack == (level.name == "v4-vnni")
+        assert w.can_repack == (GROUP_ROWS[level.name] > 0)
         if not w.can_repack:
             with pytest.raises(NativeKernelError, match="no packed layout"):
                 QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=other, packed=True)
+
+
+@pytest.mark.parametrize("level", native_build.CPU_LEVELS, ids=lambda lv: lv.name)
+def test_every_level_compiles(level: native_build.CpuLevel) -> None:
+    """Levels this CPU cannot run (AVX-VNNI here) are built, never loaded: their code at least
+    compiles wherever the tests run."""
+    cc = native_build.find_compiler()
+    assert cc is not None
+    lib = native_build.compile_library(native_qmatmul.KERNEL, cc, native_build.cache_dir(), level)
+    assert lib.is_file()

@@ -3,7 +3,8 @@
  * This file holds the entry points and their argument checks; the kernels live in headers by
  * concept: qmatmul_f32.h (float32 activations), q8act.h (activations quantized to 8 bits),
  * q8dot.h / q8dot512.h / q8mm.h (integer dots over GGUF-layout blocks), q8repack.h (the
- * interleaved layout weights are repacked into at load).
+ * interleaved layout weights are repacked into at load; its kernels q8repack512.h, AVX-512
+ * VNNI, and q8repack256.h, AVX2 / AVX-VNNI).
  *
  * Float32 activations (`exact`): every weight is dequantized to exactly the float32 value
  * `gguf`'s reference dequantizer gives (qblocks.h: same operations in the same order; the file
@@ -221,12 +222,12 @@ int slotserve_qmatmul_q8(int32_t type, const uint8_t* w, int64_t n, int64_t k,
     return QMM_OK;
 }
 
-/* ---- weights repacked at load into 16 interleaved rows (q8repack.h) ------------------- */
+/* ---- weights repacked at load into groups of interleaved rows (q8repack.h) ------------ */
 
 #include "q8repack.h"
 
-/* Rows per packed group when this build multiplies `type` in the packed layout, else 0 (the
-   weight then stays in its GGUF layout). */
+/* Rows per packed group when this build multiplies `type` in the packed layout (16 with
+   AVX-512 VNNI, 8 with AVX2), else 0 (the weight then stays in its GGUF layout). */
 int32_t slotserve_q8_repack_rows(int32_t type) {
 #ifdef RP_SIMD
     return rp_type_ok(type) ? RP_ROWS : 0;
@@ -244,7 +245,7 @@ static int rp_check(int32_t type, int64_t n, int64_t k, int64_t row_bytes,
     return QMM_OK;
 }
 
-/* W [n, k] (rows row_bytes apart, n a multiple of 16) into the packed layout in `out` (n *
+/* W [n, k] (rows row_bytes apart, n a multiple of RP_ROWS) into the packed layout in `out` (n *
    row_bytes bytes, not overlapping w). */
 int slotserve_q8_repack(int32_t type, const uint8_t* w, int64_t n, int64_t k,
                         int64_t row_bytes, uint8_t* out, int64_t out_len) {
@@ -255,8 +256,8 @@ int slotserve_q8_repack(int32_t type, const uint8_t* w, int64_t n, int64_t k,
     int64_t nb = k / t->block, rec = (int64_t)RP_ROWS * t->bytes;
     for (int64_t g = 0; g < n / RP_ROWS; g++)
         for (int64_t b = 0; b < nb; b++)
-            rp_pack_block(type, t->bytes, w + g * RP_ROWS * row_bytes + b * t->bytes, row_bytes,
-                          out + g * RP_ROWS * row_bytes + b * rec);
+            rp_pack_block(type, w + g * RP_ROWS * row_bytes + b * t->bytes, row_bytes,
+                          out + g * RP_ROWS * row_bytes + b * rec, RP_ROWS, RP_Q8_XOR);
     return QMM_OK;
 }
 
@@ -275,7 +276,8 @@ int slotserve_dequant_rows_packed(int32_t type, const uint8_t* wp, int64_t n, in
     for (int64_t i = 0; i < num_rows; i++) {
         const uint8_t* grp = wp + rows[i] / RP_ROWS * RP_ROWS * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
-            rp_unpack_block(type, grp + b * rec, (int)(rows[i] % RP_ROWS), blk);
+            rp_unpack_block(type, grp + b * rec, (int)(rows[i] % RP_ROWS), blk, RP_ROWS,
+                            RP_Q8_XOR);
             t->fn(blk, 1, out + i * ldo + b * t->block);
         }
     }
@@ -283,7 +285,7 @@ int slotserve_dequant_rows_packed(int32_t type, const uint8_t* wp, int64_t n, in
 }
 
 #ifdef RP_SIMD
-/* Groups [g0, g1) of 16 rows of a packed weight for activation rows [0, m). */
+/* Groups [g0, g1) of RP_ROWS rows of a packed weight for activation rows [0, m). */
 static void rp_rows(int32_t type, const qtype_info* t, const uint8_t* wp, int64_t k,
                     const uint8_t* act, int64_t arb, int64_t m, float* y, int64_t ldy,
                     int64_t g0, int64_t g1) {
@@ -298,7 +300,7 @@ static void rp_rows(int32_t type, const qtype_info* t, const uint8_t* wp, int64_
 #endif
 
 /* slotserve_qmatmul_q8 for a weight packed by slotserve_q8_repack: y[:, 0:n] = x @ W^T, the
-   groups of 16 rows split over `threads` as that function splits its tiles. */
+   groups of RP_ROWS rows split over `threads` as that function splits its tiles. */
 int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int64_t k,
         int64_t row_bytes, const uint8_t* act, int64_t act_len, int64_t m, float* y,
         int64_t ldy, int32_t threads) {
