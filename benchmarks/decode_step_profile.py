@@ -17,7 +17,9 @@ hidden states of one decode step between the native decode kernel and the torch 
 `--full-attention` drops its window, as the baseline for what the window saves. `--gemma` (or
 `--gguf PATH`) loads the real Gemma 3 270M Q4_K_M file instead of random weights, with
 `--quantization auto|exact|none`; the quantized matmuls' CPU time is then also listed by weight
-shape and type (they are native calls, which torch.profiler does not see). `--kv-cache-dtype`
+shape and type (they are native calls, which torch.profiler does not see). With `auto` a step
+of decodes runs its layers in one native call (models/native_layers.py), so only the output
+projection is listed; `SLOTSERVE_DECODE_LAYERS=0` keeps the modules and lists every product. `--kv-cache-dtype`
 stores the KV cache as vLLM's flag says (auto: the model dtype).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_step_profile.py [--batch 32] [--ctx 256]

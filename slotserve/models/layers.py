@@ -28,6 +28,7 @@ from slotserve.models.attention import (
     paged_attention,
 )
 from slotserve.models.fused import ACTIVATIONS, TORCH_OPS, RMSNorm, TorchOps, choose_ops
+from slotserve.models.native_layers import DecodeLayers, enabled as native_layers_enabled
 from slotserve.models.quantization import QuantizedEmbedding, QuantizedLinear
 from slotserve.models.weight_utils import (
     NamedTensors,
@@ -189,6 +190,9 @@ class DecoderForCausalLM(nn.Module):
         self.rope_local_cos = self.rope_local_sin = torch.empty(0)
         self.attn_backend: AttentionBackend | None = None
         self.ops: TorchOps = TORCH_OPS
+        # The native path of a decode step's layers (init_attention sets it where the native
+        # glue is chosen; it declines any step or layer it cannot run as the modules do).
+        self.decode_layers: DecodeLayers | None = None
 
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -243,6 +247,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(getattr(module, "ops", None), TorchOps):
                 setattr(module, "ops", ops)  # noqa: B010 - modules of several classes
+        self.decode_layers = (DecodeLayers() if ops.native and self.attn_backend.native
+                              and native_layers_enabled() else None)
 
     def build_attention_metadata(self, layout: BatchLayout) -> AttentionMetadataMap:
         if self.attn_backend is None:
@@ -284,6 +290,9 @@ class DecoderForCausalLM(nn.Module):
             local_cos, local_sin = rope_rows(self.rope_local_cos, self.rope_local_sin,
                                              positions)
         h = self.embed(input_ids)
+        if self.decode_layers is not None and self.decode_layers.run(
+                self, h, (cos, sin, local_cos, local_sin), kv_caches, attn_metadata):
+            return h  # every layer in one native call (a step of decodes only)
         for layer, kv_cache, local in zip(self.model.layers, kv_caches, self._local_rope,
                                           strict=True):
             if local:

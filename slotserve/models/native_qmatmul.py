@@ -108,6 +108,10 @@ class _Lib:
         self.q8_x: Callable[..., int] = dll.slotserve_qmatmul_q8_x
         self.q8_x.argtypes = [p, ctypes.c_int32, i, p, i, i, p, i, p, i, ctypes.c_int32]
         self.q8_x.restype = ctypes.c_int
+        # A pure decode step's layers in one call (q8layers.h, native_layers.py).
+        self.decode_layers: Callable[..., int] = dll.slotserve_decode_layers
+        self.decode_layers.argtypes = [p, p, i, p]
+        self.decode_layers.restype = ctypes.c_int
         self.q8_x_scratch: Callable[..., int] = dll.slotserve_q8x_scratch_bytes
         self.q8_x_scratch.argtypes = [p, ctypes.c_int32, i, i]
         self.q8_x_scratch.restype = ctypes.c_int64

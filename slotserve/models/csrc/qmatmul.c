@@ -328,3 +328,4 @@ int slotserve_qmatmul_q8_packed(int32_t type, const uint8_t* wp, int64_t n, int6
 }
 
 #include "q8call.h"
+#include "q8layers.h"
