@@ -112,3 +112,30 @@ def test_a_bad_block_id_is_an_error_not_a_read(gguf_file: Path) -> None:
     meta = runner.model.build_attention_metadata(layout)
     with pytest.raises(NativeKernelError, match="layer 0, attention"):
         layers.run(runner.model, h, rope, runner.kv_caches, meta)
+
+
+def test_lora_wrapped_projections_take_the_modules(gguf_file: Path) -> None:
+    """With LoRA on, every projection is wrapped (adapters wrap at start, before the table is
+    built): the native call, which knows no adapter deltas, must decline every step."""
+    from slotserve.lora.request import LoRAConfig
+
+    runner = ModelRunner(gguf_file, SchedulerConfig(max_num_seqs=4, max_model_len=128),
+                         CacheConfig(block_size=4, num_blocks=64), dtype="float32",
+                         device="cpu", quantization="auto",
+                         lora_config=LoRAConfig(max_loras=2, max_lora_rank=8))
+    layers = runner.model.decode_layers
+    assert isinstance(layers, DecodeLayers)
+    took: list[bool] = []
+    run = layers.run
+
+    def counted(*args: object) -> bool:
+        took.append(run(*args))  # type: ignore[arg-type]
+        return took[-1]
+
+    layers.run = counted  # type: ignore[method-assign]
+    sched = ManualScheduler(block_size=4, num_blocks=64)
+    sched.add("r0", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              max_tokens=6)
+    sched.run(runner, chunk=None)
+    assert len(took) >= 5 and not any(took), "every decode step went through the modules"
+    assert layers._failed is not None and "projection" in layers._failed
