@@ -90,6 +90,16 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...), "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def supported_levels() -> list[CpuLevel]:
     """The levels this CPU runs, best first."""
     if platform.machine().lower() not in ("x86_64", "amd64"):

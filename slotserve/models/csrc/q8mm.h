@@ -6,19 +6,15 @@
 #define SLOTSERVE_Q8MM_H
 #include "q8dot.h"
 
-/* The weight streams from DRAM once per step: the rows 4 KiB ahead are asked for into every
-   cache level (prefetcht0). Measured on the 262k x 640 Q8_0 output projection at one row:
-   prefetchnta, or 16 KiB and more ahead, left a third to half of the read bandwidth unused. */
-#ifndef Q8_PREFETCH_BYTES
-#define Q8_PREFETCH_BYTES 4096
-#endif
+/* The weight streams from DRAM once per step: where the CPU gains from it, the rows
+   q8_prefetch bytes ahead are asked for into every cache level (qmatmul.c). */
 #ifndef Q8_X_BLOCK_BYTES
 #define Q8_X_BLOCK_BYTES (256 * 1024)  /* quantized rows of x per pass: they stay in L2 */
 #endif
 
 #ifdef Q8_SIMD
 /* Four weight rows at a time against the activation rows of a pass, Q8_MR at a time; the
-   rows' bytes, and those Q8_PREFETCH_BYTES further on, requested first (the weight streams from
+   rows' bytes, and those q8_prefetch further on, requested first (the weight streams from
    DRAM once per step). */
 #define Q8_TILES(NAME, NR)                                                                    \
     for (int64_t i = m0; i < m1; i += Q8_MR) {                                                \
@@ -38,8 +34,8 @@ static void FN(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* a
     int64_t r = n0;                                                                           \
     for (; r + 4 <= n1; r += 4) {                                                             \
         const uint8_t* row = w + r * row_bytes;                                               \
-        for (int64_t p = 0; p < 4 * row_bytes; p += 64)                                       \
-            __builtin_prefetch(row + p + Q8_PREFETCH_BYTES, 0, 3);                             \
+        for (int64_t p = 0; q8_prefetching(m0, m1) && p < 4 * row_bytes; p += 64)             \
+            __builtin_prefetch(row + p + q8_prefetch, 0, 3);                                  \
         Q8_TILES(NAME, 4)                                                                     \
     }                                                                                         \
     for (; r < n1; r++) {                                                                     \
@@ -66,8 +62,8 @@ static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uin
     for (int64_t r = n0; r < n1; r += 4) {                                                    \
         const uint8_t* row = w + r * row_bytes;                                               \
         int nr = n1 - r < 4 ? (int)(n1 - r) : 4;                                              \
-        for (int64_t p = 0; p < nr * row_bytes; p += 64)                                      \
-            __builtin_prefetch(row + p + Q8_PREFETCH_BYTES, 0, 3);                            \
+        for (int64_t p = 0; q8_prefetching(m0, m1) && p < nr * row_bytes; p += 64)            \
+            __builtin_prefetch(row + p + q8_prefetch, 0, 3);                                  \
         NAME##_decode(row, row_bytes, nb, nr, u, dw);                                         \
         for (int64_t i = m0; i < m1; i += Q8_MR) {                                            \
             const uint8_t* a_ = act + i * arb;                                                \

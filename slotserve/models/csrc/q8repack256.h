@@ -18,9 +18,6 @@
 #define SLOTSERVE_Q8REPACK256_H
 #define RP_SIMD 1
 #define RP_MR 4  /* activation rows per tile: 16 ymm registers hold 8 weight, 4 accumulators */
-#ifndef RP_PREFETCH_BYTES
-#define RP_PREFETCH_BYTES 4096
-#endif
 typedef int32_t rp_i32 __attribute__((may_alias, aligned(1)));
 #define RP_LD(p) _mm256_loadu_si256((const __m256i*)(p))
 #define RP_LD8(p) _mm_loadl_epi64((const __m128i*)(p))
@@ -129,7 +126,7 @@ static inline RP_AI void rp_tile(const int type, const int shift, const uint8_t*
         const uint8_t* rec = grp + b * rb;
         if (pf)
             for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
         __m256i w[8];
         __m256 dw;
         rp_decode(type, rec, w, &dw);
@@ -191,7 +188,7 @@ static inline RP_AI void rp_k_tile(const uint8_t* grp, int64_t nb, const uint8_t
         const uint8_t* rec = grp + b * rb;
         if (pf)
             for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
         __m256i isum[RP_MR], mn[8];
         for (int i = 0; i < mr; i++) isum[i] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {  /* (mn_s, mn_s) per row, against bs[2s], bs[2s + 1] */
@@ -249,7 +246,7 @@ static inline RP_AI void rp_6_tile(const uint8_t* grp, int64_t nb, const uint8_t
         const uint8_t* pl = rec + RP_6_SCALES;  /* plane g: the 8 rows' scales[g] */
         if (pf)
             for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
         __m256i isum[RP_MR], scp[8];
         for (int i = 0; i < mr; i++) isum[i] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++)  /* (sc_2j, sc_2j+1) per row, against bs[2j], bs[2j + 1] */

@@ -15,9 +15,6 @@
 #define RP_SIMD 1
 #define RP_MR 8            /* activation rows per tile: 8 accumulators + 8 weight registers */
 #define RP_DEC_MAX 64      /* blocks per row decoded ahead (k <= 2048: 36 KiB of stack) */
-#ifndef RP_PREFETCH_BYTES
-#define RP_PREFETCH_BYTES 4096
-#endif
 typedef int32_t rp_i32 __attribute__((may_alias, aligned(1)));
 
 /* A block record's 16 scales and its 8 lane registers of unsigned values (0..255, 0..15,
@@ -48,7 +45,7 @@ static inline __attribute__((always_inline)) void rp_decode(const int type, cons
 
 /* mr activation rows against one group of 16 weight rows: y[i * ldy + 0..15]. `dec`/`decd`:
    the group decoded ahead (nb blocks), or NULL to decode each record as it comes (`pf`: and
-   prefetch the bytes RP_PREFETCH_BYTES on). */
+   prefetch the bytes q8_prefetch on). */
 static inline __attribute__((always_inline)) void rp_tile(
         const int type, const int shift, const uint8_t* grp, const __m512i* dec,
         const __m512* decd, int64_t nb, const uint8_t* act, int64_t arb, int64_t k, float* y,
@@ -66,7 +63,7 @@ static inline __attribute__((always_inline)) void rp_tile(
             const uint8_t* rec = grp + b * rb;
             if (pf)
                 for (int64_t p = 0; p < rb; p += 64)
-                    __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+                    __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
             rp_decode(type, rec, w, &dw);
         }
         for (int i = 0; i < mr; i++) {
@@ -104,8 +101,8 @@ static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int6
         const __m512* dd = 0;                                                                 \
         if (ahead) {                                                                          \
             for (int64_t b = 0; b < nb; b++) {                                                \
-                for (int64_t p = 0; p < rb; p += 64)                                          \
-                    __builtin_prefetch(gp + b * rb + p + RP_PREFETCH_BYTES, 0, 3);            \
+                for (int64_t p = 0; q8_prefetching(m0, m1) && p < rb; p += 64)                \
+                    __builtin_prefetch(gp + b * rb + p + q8_prefetch, 0, 3);                  \
                 rp_decode(TYPE, gp + b * rb, dec + 8 * b, decd + b);                          \
             }                                                                                 \
             dp = dec;                                                                         \
@@ -114,7 +111,7 @@ static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int6
         for (int64_t i = m0; i < m1; i += RP_MR) {                                            \
             const uint8_t* a_ = act + i * arb;                                                \
             float* y_ = y + i * ldy + grp * RP_ROWS;                                          \
-            const int pf = !ahead && i == m0;                                                 \
+            const int pf = !ahead && i == m0 && q8_prefetching(m0, m1);                      \
             switch (m1 - i < RP_MR ? (int)(m1 - i) : RP_MR) {                                 \
                 RP_TILE_CASE(1, TYPE, SHIFT) RP_TILE_CASE(2, TYPE, SHIFT)                     \
                 RP_TILE_CASE(3, TYPE, SHIFT) RP_TILE_CASE(4, TYPE, SHIFT)                     \
@@ -153,7 +150,7 @@ static inline __attribute__((always_inline)) void rp_k_tile(
         const uint8_t* rec = grp + b * rb;
         if (pf)
             for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
         __m512i isum[RP_K_MR], msum[RP_K_MR];
         for (int i = 0; i < mr; i++) isum[i] = msum[i] = _mm512_setzero_si512();
         for (int s = 0; s < 8; s++) {
@@ -214,7 +211,7 @@ static inline __attribute__((always_inline)) void rp_6_tile(
         const uint8_t* rec = grp + b * rb;
         if (pf)
             for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + RP_PREFETCH_BYTES, 0, 3);
+                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
         __m512i isum[RP_K_MR];
         for (int i = 0; i < mr; i++) isum[i] = _mm512_setzero_si512();
         for (int c = 0; c < 8; c++) {
