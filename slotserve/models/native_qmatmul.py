@@ -146,16 +146,18 @@ class _Lib:
 
 
 _PREFETCH_ENV = "SLOTSERVE_PREFETCH"
-# CPU vendors whose hardware prefetcher streams a weight faster without software prefetches
-# at one or two activation rows (AMD Zen 4, the 262k x 640 Q8_0 output projection: 6.0 ms
-# without against 8.8 ms with them 4 KiB ahead at one row, 46.6 with against 50.6 ms without
-# at 32); elsewhere (Intel) the kernels ask 4 KiB ahead at any row count, as they were tuned.
+# CPU vendors whose hardware prefetcher streams a light type's weight (Q4_0 / Q5_0 / Q8_0)
+# faster without software prefetches at one to three activation rows (AMD Zen 4, the 262k x
+# 640 Q8_0 output projection: 6.0 ms without against 8.8 ms with them 4 KiB ahead at one row,
+# 46.6 with against 50.6 ms without at 32); the K-quants prefetch at any row count, and
+# elsewhere (Intel) every type does, as the kernels were tuned.
 _FEW_PREFETCH_VENDORS = frozenset({"AuthenticAMD", "HygonGenuine"})
 
 
 def prefetch_policy() -> tuple[int, int]:
-    """(bytes ahead, from how many activation rows) the int8 kernels prefetch streamed weights
-    on this CPU; `SLOTSERVE_PREFETCH=BYTES[,ROWS]` overrides it (0: never; benchmarks)."""
+    """(bytes ahead, from how many activation rows a light type's call does) the int8 kernels
+    prefetch streamed weights with on this CPU; `SLOTSERVE_PREFETCH=BYTES[,ROWS]` overrides it
+    (0: never; benchmarks compare them)."""
     forced = os.environ.get(_PREFETCH_ENV)
     if forced:
         try:

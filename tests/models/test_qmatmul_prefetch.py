@@ -1,12 +1,12 @@
 """The int8 kernels' software prefetch is chosen per CPU at load (`native_qmatmul.prefetch_policy`:
-how many bytes ahead, from how many activation rows); it changes when bytes are asked for,
-never a result:
+how many bytes ahead, and from how many activation rows a light type's call prefetches); it
+changes when bytes are asked for, never a result:
 
 - every type, in the GGUF layout and repacked, at every level this CPU runs with a layout, at
   row counts on both sides of the row threshold: no prefetch, prefetch from one row and from
   four give the same bits;
-- the policy: AMD prefetches from four rows (its hardware prefetcher streams one or two rows
-  faster alone), other vendors from one; `SLOTSERVE_PREFETCH` overrides it, and a malformed
+- the policy: on AMD a Q4_0 / Q5_0 / Q8_0 call prefetches from four rows (its hardware
+  prefetcher streams one or two rows faster alone), elsewhere from one; `SLOTSERVE_PREFETCH` overrides it, and a malformed
   value is a ConfigError naming the variable.
 """
 

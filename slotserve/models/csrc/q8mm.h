@@ -34,7 +34,7 @@ static void FN(const uint8_t* w, int64_t row_bytes, int64_t nb, const uint8_t* a
     int64_t r = n0;                                                                           \
     for (; r + 4 <= n1; r += 4) {                                                             \
         const uint8_t* row = w + r * row_bytes;                                               \
-        for (int64_t p = 0; q8_prefetching(m0, m1) && p < 4 * row_bytes; p += 64)             \
+        for (int64_t p = 0; q8_prefetch && p < 4 * row_bytes; p += 64)                        \
             __builtin_prefetch(row + p + q8_prefetch, 0, 3);                                  \
         Q8_TILES(NAME, 4)                                                                     \
     }                                                                                         \
@@ -62,7 +62,7 @@ static void NAME##_mm(const uint8_t* w, int64_t row_bytes, int64_t nb, const uin
     for (int64_t r = n0; r < n1; r += 4) {                                                    \
         const uint8_t* row = w + r * row_bytes;                                               \
         int nr = n1 - r < 4 ? (int)(n1 - r) : 4;                                              \
-        for (int64_t p = 0; q8_prefetching(m0, m1) && p < nr * row_bytes; p += 64)            \
+        for (int64_t p = 0; q8_prefetch && p < nr * row_bytes; p += 64)                       \
             __builtin_prefetch(row + p + q8_prefetch, 0, 3);                                  \
         NAME##_decode(row, row_bytes, nb, nr, u, dw);                                         \
         for (int64_t i = m0; i < m1; i += Q8_MR) {                                            \

@@ -199,7 +199,7 @@ static void rp_unpack_block(int32_t type, const uint8_t* rec, int r, uint8_t* ou
 /* A kernel header's driver: groups [g0, g1) against activation rows [m0, m1), MR at a time
    (TILE takes 1..3 or MR rows); the first tile of a group prefetches the bytes
    q8_prefetch on where the CPU gains from it (qmatmul.c: the weight streams from DRAM once
-   per step). */
+   per step; BYTES under 144, a Q4_0 / Q5_0 / Q8_0 block, is a light type). */
 #define RP_GROUPS_MM(NAME, TILE, BYTES, MR)                                                  \
 static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,      \
                          int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,            \
@@ -209,7 +209,7 @@ static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int6
         for (int64_t i = m0; i < m1; i += (MR)) {                                             \
             const uint8_t* a_ = act + i * arb;                                                \
             float* y_ = y + i * ldy + grp * RP_ROWS;                                          \
-            const int pf = i == m0 && q8_prefetching(m0, m1);                                 \
+            const int pf = i == m0 && q8_prefetching(m0, m1, (BYTES) < 144);                  \
             switch (m1 - i < (MR) ? (int)(m1 - i) : (MR)) {                                   \
                 case 1: TILE(gp, nb, a_, arb, k, y_, ldy, 1, pf); break;                      \
                 case 2: TILE(gp, nb, a_, arb, k, y_, ldy, 2, pf); break;                      \

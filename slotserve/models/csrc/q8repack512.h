@@ -101,7 +101,7 @@ static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int6
         const __m512* dd = 0;                                                                 \
         if (ahead) {                                                                          \
             for (int64_t b = 0; b < nb; b++) {                                                \
-                for (int64_t p = 0; q8_prefetching(m0, m1) && p < rb; p += 64)                \
+                for (int64_t p = 0; q8_prefetching(m0, m1, 1) && p < rb; p += 64)             \
                     __builtin_prefetch(gp + b * rb + p + q8_prefetch, 0, 3);                  \
                 rp_decode(TYPE, gp + b * rb, dec + 8 * b, decd + b);                          \
             }                                                                                 \
@@ -111,7 +111,7 @@ static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int6
         for (int64_t i = m0; i < m1; i += RP_MR) {                                            \
             const uint8_t* a_ = act + i * arb;                                                \
             float* y_ = y + i * ldy + grp * RP_ROWS;                                          \
-            const int pf = !ahead && i == m0 && q8_prefetching(m0, m1);                      \
+            const int pf = !ahead && i == m0 && q8_prefetching(m0, m1, 1);                   \
             switch (m1 - i < RP_MR ? (int)(m1 - i) : RP_MR) {                                 \
                 RP_TILE_CASE(1, TYPE, SHIFT) RP_TILE_CASE(2, TYPE, SHIFT)                     \
                 RP_TILE_CASE(3, TYPE, SHIFT) RP_TILE_CASE(4, TYPE, SHIFT)                     \

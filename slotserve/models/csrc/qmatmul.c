@@ -40,21 +40,22 @@ enum {
 #include "qblocks.h"
 
 /* How many bytes ahead the int8 kernels ask for a streamed weight's bytes (prefetcht0), and
-   from how many activation rows a call does: chosen per CPU at load (native_qmatmul.py:
-   prefetch_policy). On the Intel Xeon this project ran on, 4 KiB ahead filled the read
-   bandwidth that the 262k x 640 Q8_0 output projection left unused at one row (prefetchnta,
-   or 16 KiB and more ahead, left a third to half of it). On AMD Zen 4 the hardware prefetcher
-   alone streams it faster at one or two rows (6.0 against 8.8 ms at one), while from about
-   four rows, where each byte costs more arithmetic, the requests ahead win again (46.6
-   against 50.6 ms at 32). */
-static int64_t q8_prefetch = 4096, q8_prefetch_rows = 1;
-void slotserve_set_prefetch(int64_t bytes, int64_t min_rows) {
+   from how many activation rows a call over a light type (Q4_0 / Q5_0 / Q8_0: little
+   arithmetic per byte) does: chosen per CPU at load (native_qmatmul.py: prefetch_policy). On
+   the Intel Xeon this project ran on, 4 KiB ahead filled the read bandwidth that the 262k x
+   640 Q8_0 output projection left unused at one row (prefetchnta, or 16 KiB and more ahead,
+   left a third to half of it). On AMD Zen 4 the hardware prefetcher alone streams that
+   projection faster at one or two rows (6.0 against 8.8 ms at one), while from about four
+   rows, and for the K-quants at any (their tiles spend more arithmetic per byte: Gemma's Q6_K
+   ffn_down at one row 0.62 against 1.30 ms a step), the requests ahead win. */
+static int64_t q8_prefetch = 4096, q8_light_rows = 1;
+void slotserve_set_prefetch(int64_t bytes, int64_t light_min_rows) {
     q8_prefetch = bytes < 0 ? 0 : bytes;
-    q8_prefetch_rows = min_rows < 1 ? 1 : min_rows;
+    q8_light_rows = light_min_rows < 1 ? 1 : light_min_rows;
 }
 /* Whether a call over activation rows [m0, m1) prefetches its weight's bytes. */
-static inline int q8_prefetching(int64_t m0, int64_t m1) {
-    return q8_prefetch && m1 - m0 >= q8_prefetch_rows;
+static inline int q8_prefetching(int64_t m0, int64_t m1, int light) {
+    return q8_prefetch && (!light || m1 - m0 >= q8_light_rows);
 }
 
 typedef void (*dequant_fn)(const uint8_t*, int64_t, float*);
