@@ -28,8 +28,7 @@ from slotserve.entrypoints.openai.errors import (
 )
 from slotserve.entrypoints.openai.lora_models import LoRAModels
 from slotserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
-from slotserve.entrypoints.openai.structured import named_refusal
-from slotserve.errors import EngineDeadError, RequestValidationError
+from slotserve.errors import EngineDeadError
 from slotserve.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling_params import SamplingParams
 
@@ -141,14 +140,9 @@ class OpenAIServing:
         return ticket
 
     async def respond_admitted(self, raw: Request, req: Any, processed: Any, request_id: str,
-                               model: str, ticket: Ticket | None, outputs: Outputs,
-                               constraint_field: str | None = None) -> Response:
+                               model: str, ticket: Ticket | None, outputs: Outputs) -> Response:
         """respond(), with the ticket marked started at the first output and finished at
-        the end (also when the outputs were never read: a client gone at once). The engine
-        refuses a constraint (at compile, or for its masks' cost) as `structured_outputs`;
-        `constraint_field` names the field the client sent instead (response_format, tools)."""
-        if constraint_field is not None:
-            outputs = renamed_refusals(outputs, constraint_field)
+        the end (also when the outputs were never read: a client gone at once)."""
         if ticket is None or self.admission is None:
             return await self.respond(raw, req, processed, request_id, model, outputs)
         try:
@@ -289,18 +283,6 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_dead(500)
     return from_exception(exc)
-
-
-
-async def renamed_refusals(outputs: Outputs, field: str) -> Outputs:
-    """`outputs`, a refusal of their constraint named by `field` (structured.named_refusal)."""
-    try:
-        async for item in outputs:
-            yield item
-    except RequestValidationError as exc:
-        raise named_refusal(exc, field) from exc
-    finally:
-        await outputs.aclose()
 
 
 async def until_disconnected(raw: Request, awaitable: Awaitable[T]) -> T | None:
