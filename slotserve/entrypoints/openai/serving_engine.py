@@ -28,6 +28,7 @@ from slotserve.entrypoints.openai.errors import (
 )
 from slotserve.entrypoints.openai.lora_models import LoRAModels
 from slotserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from slotserve.entrypoints.openai.stream_interval import StreamInterval
 from slotserve.errors import EngineDeadError
 from slotserve.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ class OpenAIServing:
         self._token_text: dict[int, str] = {}
         # The adapters a request's `model` may name (api_server sets it).
         self.loras: LoRAModels | None = None
+        # SSE writes batch this many engine outputs after the first (api_server sets it).
+        self.stream_interval = 1
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -202,25 +205,32 @@ class OpenAIServing:
             return Response(status_code=499)
         return json_response(result)
 
-    @staticmethod
-    async def sse_frames(opening: list[str], first: tuple[int, RequestOutput], rest: Outputs,
-                         frames_for: Callable[[int, RequestOutput], list[str]],
+    async def sse_frames(self, opening: list[str], first: tuple[int, RequestOutput],
+                         rest: Outputs, frames_for: Callable[[int, RequestOutput], list[str]],
                          usage: Callable[[], str]) -> AsyncIterator[str]:
-        """One write per engine output (each socket send costs more than building the JSON);
-        the usage event (when asked for) goes out together with [DONE]."""
+        """One write per engine output (each socket send costs more than building the JSON),
+        or with --stream-interval N one per N of them after the first (StreamInterval); what
+        is held, and the usage event when asked for, go out together with [DONE]."""
+        interval = StreamInterval(self.stream_interval)
+        held: list[str] = []
         tail = ""
         try:
-            if head := opening + frames_for(*first):
-                yield "".join(head)
+            held = opening + frames_for(*first)
+            if interval.due(1 if held else 0):
+                yield "".join(held)
+                held = []
             async for i, out in rest:
                 if frames := frames_for(i, out):
-                    yield "".join(frames)
+                    held += frames
+                    if interval.due(1):
+                        yield "".join(held)
+                        held = []
             tail = usage()
         except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
             tail = stream_error(exc)
         finally:
             await rest.aclose()
-        yield tail + SSE_DONE
+        yield "".join(held) + tail + SSE_DONE
 
     async def stream(self, raw: Request, outputs: Outputs,
                      frames: Any) -> Any:
