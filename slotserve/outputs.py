@@ -64,6 +64,10 @@ class CompletionOutput:
     rejected: bool = False
     # With `rejected`: a code naming why (e.g. "grammar_too_expensive"), for the error body.
     error_code: str | None = None
+    # With `rejected`: the request field refused, the one its constraint came from
+    # (StructuredOutputsParams.param); None when the request had no constraint (a session's
+    # chunk that does not fit).
+    error_param: str | None = None
 
 
 @dataclass(slots=True)

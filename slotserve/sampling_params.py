@@ -68,6 +68,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    # The request field this constraint came from: the engine's refusal of it (a grammar
+    # that does not compile, or whose masks cost too much) names it, so that an API client
+    # hears of the field it sent (`response_format`, `tools`), not of this one. Not part of
+    # the constraint: equal constraints from two fields are equal.
+    param: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -95,6 +100,8 @@ class StructuredOutputsParams:
         _check(isinstance(self.disable_any_whitespace, bool),
                "structured_outputs.disable_any_whitespace must be a boolean",
                "structured_outputs.disable_any_whitespace")
+        _check(isinstance(self.param, str) and len(self.param) > 0,
+               "structured_outputs.param must be a non-empty string", "structured_outputs.param")
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ class SeqState:
     # The core refused the request (or this chunk) as invalid (CompletionOutput.rejected).
     rejected: bool = False
     error_code: str | None = None
+    error_param: str | None = None
     finished: bool = False
     # A session's: why it ended (the core's session_end), once it has.
     session_end: FinishReason | None = None
@@ -60,7 +61,7 @@ class SeqState:
         out = CompletionOutput(self.index, text[sent_text:], self.token_ids[sent_tokens:],
                                self.cumulative_logprob, logprobs, self.finish_reason,
                                self.stop_reason, self.finish_message, self.rejected,
-                               self.error_code)
+                               self.error_code, self.error_param)
         if kind is RequestOutputKind.DELTA:
             self.sent_tokens, self.sent_text = len(self.token_ids), len(text)
         return out
@@ -84,6 +85,10 @@ class RequestGroup:
     next_chunk: int = 0
     last: SeqState | None = None
     ended: bool = False
+
+    def constraint_param(self) -> str | None:
+        """The field a refusal of this request names: the one its constraint came from."""
+        return None if self.structured_outputs is None else self.structured_outputs.param
 
 
 def _merge_metrics(seqs: list[SeqState]) -> RequestMetrics:
@@ -231,6 +236,8 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
                 seq.finish_message, seq.rejected = out.finish_message, out.rejected
                 seq.error_code = out.error_code
+                if out.rejected:
+                    seq.error_param = group.constraint_param()
                 self._finish_seq(seq, now)
             if out.finished and group.resumable:
                 seq.session_end = out.session_end or FinishReason.ERROR
@@ -263,7 +270,8 @@ class OutputProcessor:
             group.request_id, None if last is None else last.prompt,
             [] if last is None else last.prompt_token_ids,
             [CompletionOutput(0, "", [], None, None, out.finish_reason, out.stop_reason,
-                              out.finish_message, out.rejected, out.error_code)],
+                              out.finish_message, out.rejected, out.error_code,
+                              group.constraint_param() if out.rejected else None)],
             True, metrics=None if last is None else last.metrics, chunk=out.chunk,
             session_end=out.session_end)
 

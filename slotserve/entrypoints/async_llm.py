@@ -129,7 +129,7 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
             prev.cumulative_logprob = c.cumulative_logprob
             prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
             prev.finish_message, prev.rejected = c.finish_message, c.rejected
-            prev.error_code = c.error_code
+            prev.error_code, prev.error_param = c.error_code, c.error_param
     return dataclasses.replace(last, outputs=[by_index[i] for i in sorted(by_index)])
 
 
@@ -391,8 +391,9 @@ class AsyncLLM:
             failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
             if failed is not None and failed.rejected:
                 if stream is not None:
-                    stream.fail(RequestValidationError(failed.finish_message or "invalid request",
-                                                       "structured_outputs", failed.error_code))
+                    stream.fail(RequestValidationError(
+                        failed.finish_message or "invalid request",
+                        failed.error_param or "structured_outputs", failed.error_code))
                 return
             if failed is not None:
                 message = failed.finish_message or (

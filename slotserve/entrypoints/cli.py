@@ -17,6 +17,7 @@ from typing import Any, Literal
 from slotserve.engine.args import EngineArgs
 from slotserve.entrypoints import bench_serve
 from slotserve.entrypoints.openai.limits import ServerLimits
+from slotserve.entrypoints.openai.stream_interval import check_stream_interval
 
 DEFAULT_PROMPT = "To be, or not"
 DEFAULT_MODEL_NAME = "slotserve-default"
@@ -216,6 +217,9 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how the model writes tool calls (default: read from its chat "
                    "template)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a stream's SSE events go on in batches of N after the first, the "
+                   "last never held back (vLLM's stream_interval; default 1: each at once)")
     dp = p.add_argument_group("data parallel (Ray Serve, docs/RAY.md)")
     dp.add_argument("--data-parallel-size", type=int, default=1,
                     help="engine replicas behind the one endpoint (default 1: no Ray)")
@@ -223,9 +227,6 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                     help="how requests pick a replica (default: prefix-cache affinity)")
     dp.add_argument("--ray-address", default=None,
                     help="join this Ray cluster (default: start a local one)")
-    dp.add_argument("--stream-interval", type=int, default=1,
-                    help="SSE events a replica sends in one message after the first (vLLM's "
-                    "stream_interval; default 1: each at once)")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -252,6 +253,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return usage_error("--enable-admin-endpoints needs --admin-api-key or --api-key")
     try:
         limits = server_limits_from_args(args)
+        check_stream_interval(args.stream_interval)
     except SlotServeError as exc:
         return usage_error(exc)
     logging.basicConfig(level=args.log_level.upper(),
@@ -281,7 +283,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_names=[name], api_key=args.api_key, limits=limits,
                     enable_admin=args.enable_admin_endpoints, admin_api_key=args.admin_api_key,
                     tool_call_parser=args.tool_call_parser, webui=not args.no_webui,
-                    lora_modules=parse_lora_modules(args.lora_modules))
+                    lora_modules=parse_lora_modules(args.lora_modules),
+                    stream_interval=args.stream_interval)
     logger.info("serving %s (max_model_len %d, %d torch threads, engine core in a %s) on "
                 "http://%s:%d%s", name, engine.max_model_len, threads, args.engine_mode,
                 args.host, args.port, " with an API key" if args.api_key else "")

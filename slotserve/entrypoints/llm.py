@@ -164,7 +164,8 @@ class LLM:
                     rejected = next((c for c in out.outputs if c.rejected), None)
                     if rejected is not None:
                         raise RequestValidationError(
-                            f"prompt {index}: {rejected.finish_message}", "structured_outputs")
+                            f"prompt {index}: {rejected.finish_message}",
+                            rejected.error_param or "structured_outputs", rejected.error_code)
                     if any(c.finish_reason == "error" for c in out.outputs):
                         raise EngineDeadError(
                             f"the model failed while running request {out.request_id}: "

@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 
 from slotserve.engine.args import DEFAULT_MODEL, EngineArgs
 from slotserve.entrypoints.openai.limits import ServerLimits
+from slotserve.entrypoints.openai.stream_interval import check_stream_interval
 from slotserve.errors import ConfigError
 from slotserve.ray.ingress import OpenAIIngress
 from slotserve.ray.router import PrefixAwareRouter
@@ -60,8 +61,9 @@ class ModelDeployment:
         if out.router not in ROUTER_POLICIES:
             raise ConfigError(f"unknown router {out.router!r}; use one of "
                               f"{', '.join(ROUTER_POLICIES)}")
-        if out.num_replicas < 1 or out.stream_interval < 1:
-            raise ConfigError("num_replicas and stream_interval must be at least 1")
+        if out.num_replicas < 1:
+            raise ConfigError("num_replicas must be at least 1")
+        check_stream_interval(out.stream_interval)
         return out
 
     @property

@@ -28,6 +28,7 @@ from slotserve.entrypoints.openai.api_server import build_app
 from slotserve.entrypoints.openai.limits import ServerLimits
 from slotserve.entrypoints.openai.lora_models import LoRAModels
 from slotserve.entrypoints.openai.serving_chat import PROMPT_IDS_SCOPE_KEY
+from slotserve.entrypoints.openai.stream_interval import StreamInterval, check_stream_interval
 from slotserve.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -107,19 +108,17 @@ async def coalesced(batches: AsyncIterator[list[dict[str, Any]]], stream_interva
                     ) -> AsyncIterator[list[dict[str, Any]]]:
     """An HTTP answer in as few messages as its stream allows, since every message costs a
     Ray handle message, the ingress's relay and the proxy's (most of a streamed token's CPU
-    time on 2 cores): the start is held for the first body; the first body goes at once (the
-    time to first token), then every `stream_interval` bodies (SSE events: vLLM's
-    `stream_interval`, 1 sends each at once) and the last; what was already queued goes in
-    one message whatever the interval."""
+    time on 2 cores): the start is held for the first body; the bodies (SSE events) go on as
+    `StreamInterval` says (the one-process server's rule too); what was already queued goes
+    in one message whatever the interval."""
     held: list[dict[str, Any]] = []
-    pending = 0  # body messages held
-    first = True
+    interval = StreamInterval(stream_interval)
     async for batch in batches:
         held += batch
-        pending += sum(m["type"] == "http.response.body" for m in batch)
-        if pending and (first or pending >= stream_interval or _ends(held[-1])):
+        if interval.due(sum(m["type"] == "http.response.body" for m in batch),
+                        _ends(held[-1])):
             yield merge_bodies(held)
-            held, pending, first = [], 0, False
+            held = []
     if held:
         yield merge_bodies(held)
 
@@ -149,7 +148,7 @@ class LLMServer:
                              tool_call_parser=tool_call_parser,
                              enable_admin=enable_admin, admin_api_key=admin_api_key,
                              lora_modules=EngineArgs.from_kwargs(**engine_kwargs).lora_requests())
-        self.stream_interval = max(1, stream_interval)
+        self.stream_interval = check_stream_interval(stream_interval)
         self.loras: LoRAModels = self.app.state.loras
         self.metrics = self.engine.metrics
         # Open WebSocket sessions on this replica: connection id -> what the client sent.

@@ -56,6 +56,7 @@ from slotserve.entrypoints.openai.serving_chat import OpenAIServingChat, render_
 from slotserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from slotserve.entrypoints.openai.serving_engine import json_response
 from slotserve.entrypoints.openai.sessions import OpenAIServingSessions
+from slotserve.entrypoints.openai.stream_interval import check_stream_interval
 from slotserve.entrypoints.openai.webui.router import (
     PUBLIC_PATHS,
     engine_state_router,
@@ -172,15 +173,18 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
               limits: ServerLimits | None = None, enable_admin: bool = False,
               admin_api_key: str | None = None, shutdown_engine: bool = True,
               tool_call_parser: str | None = None, webui: bool = True,
-              lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
+              lora_modules: Sequence[LoRARequest] = (), stream_interval: int = 1) -> FastAPI:
     """The app. `api_key` and `admin_api_key` must not be empty strings (an empty key would
     read as no key: the caller refuses it); the admin endpoints need one of them.
     `tool_call_parser` names the tool-call format (hermes, llama3_json) when the chat
     template does not show one. `webui`: serve the web page at `/` (its files need no key;
     the `/v1/engine/state` it polls is there either way). `lora_modules`: the adapters a
-    request's `model` may name (--lora-modules; the engine needs enable_lora)."""
+    request's `model` may name (--lora-modules; the engine needs enable_lora).
+    `stream_interval`: a stream's SSE events go on in batches of this many after the first
+    (--stream-interval; stream_interval.py)."""
     if api_key == "" or admin_api_key == "":
         raise ConfigError("an API key must not be empty")
+    check_stream_interval(stream_interval)
     admin_key = admin_api_key or api_key
     if enable_admin and not admin_key:
         raise ConfigError("admin endpoints need a key: give --admin-api-key or --api-key")
@@ -197,6 +201,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     loras = LoRAModels(engine, names, lora_modules)
     for serving in (completion, chat, sessions):
         serving.loras = loras
+        serving.stream_interval = stream_interval
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

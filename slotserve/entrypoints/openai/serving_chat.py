@@ -43,7 +43,6 @@ from slotserve.entrypoints.openai.serving_engine import (
 )
 from slotserve.entrypoints.openai.structured import (
     ToolContext,
-    constraint_field,
     on_grammar_thread,
     rename_param,
     response_constraint,
@@ -188,8 +187,7 @@ class OpenAIServingChat(OpenAIServing):
         ticket = await self.admit(raw, req.user, [processed])
         outputs = merge_generators([self.engine.generate(processed)])
         return await self.respond_admitted(raw, req, (processed, tools), request_id, model,
-                                           ticket, outputs,
-                                           constraint_field(req.response_format, tools))
+                                           ticket, outputs)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsEntry] | None,
                   num_top: int) -> ChatChoiceLogProbs:

@@ -30,7 +30,6 @@ from slotserve.entrypoints.openai.serving_engine import (
 )
 from slotserve.entrypoints.openai.structured import (
     check_constraint,
-    constraint_field,
     rename_param,
     response_constraint,
 )
@@ -85,7 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ticket = await self.admit(raw, req.user, processed)
         outputs = merge_generators([self.engine.generate(p) for p in processed])
         return await self.respond_admitted(raw, req, processed, request_id, model, ticket,
-                                           outputs, constraint_field(req.response_format))
+                                           outputs)
 
     def _prompt_text(self, p: ProcessedRequest) -> str:
         """What echo repeats: the prompt's text, or its tokens' when it came as token ids."""

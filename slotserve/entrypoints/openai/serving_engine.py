@@ -28,8 +28,8 @@ from slotserve.entrypoints.openai.errors import (
 )
 from slotserve.entrypoints.openai.lora_models import LoRAModels
 from slotserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
-from slotserve.entrypoints.openai.structured import named_refusal
-from slotserve.errors import EngineDeadError, RequestValidationError
+from slotserve.entrypoints.openai.stream_interval import StreamInterval
+from slotserve.errors import EngineDeadError
 from slotserve.outputs import CompletionOutput, RequestOutput
 from slotserve.sampling_params import SamplingParams
 
@@ -78,6 +78,8 @@ class OpenAIServing:
         self._token_text: dict[int, str] = {}
         # The adapters a request's `model` may name (api_server sets it).
         self.loras: LoRAModels | None = None
+        # SSE writes batch this many engine outputs after the first (api_server sets it).
+        self.stream_interval = 1
 
     def check_model(self, model: str | None) -> str:
         if model is None:
@@ -141,14 +143,9 @@ class OpenAIServing:
         return ticket
 
     async def respond_admitted(self, raw: Request, req: Any, processed: Any, request_id: str,
-                               model: str, ticket: Ticket | None, outputs: Outputs,
-                               constraint_field: str | None = None) -> Response:
+                               model: str, ticket: Ticket | None, outputs: Outputs) -> Response:
         """respond(), with the ticket marked started at the first output and finished at
-        the end (also when the outputs were never read: a client gone at once). The engine
-        refuses a constraint (at compile, or for its masks' cost) as `structured_outputs`;
-        `constraint_field` names the field the client sent instead (response_format, tools)."""
-        if constraint_field is not None:
-            outputs = renamed_refusals(outputs, constraint_field)
+        the end (also when the outputs were never read: a client gone at once)."""
         if ticket is None or self.admission is None:
             return await self.respond(raw, req, processed, request_id, model, outputs)
         try:
@@ -208,25 +205,32 @@ class OpenAIServing:
             return Response(status_code=499)
         return json_response(result)
 
-    @staticmethod
-    async def sse_frames(opening: list[str], first: tuple[int, RequestOutput], rest: Outputs,
-                         frames_for: Callable[[int, RequestOutput], list[str]],
+    async def sse_frames(self, opening: list[str], first: tuple[int, RequestOutput],
+                         rest: Outputs, frames_for: Callable[[int, RequestOutput], list[str]],
                          usage: Callable[[], str]) -> AsyncIterator[str]:
-        """One write per engine output (each socket send costs more than building the JSON);
-        the usage event (when asked for) goes out together with [DONE]."""
+        """One write per engine output (each socket send costs more than building the JSON),
+        or with --stream-interval N one per N of them after the first (StreamInterval); what
+        is held, and the usage event when asked for, go out together with [DONE]."""
+        interval = StreamInterval(self.stream_interval)
+        held: list[str] = []
         tail = ""
         try:
-            if head := opening + frames_for(*first):
-                yield "".join(head)
+            held = opening + frames_for(*first)
+            if interval.due(1 if held else 0):
+                yield "".join(held)
+                held = []
             async for i, out in rest:
                 if frames := frames_for(i, out):
-                    yield "".join(frames)
+                    held += frames
+                    if interval.due(1):
+                        yield "".join(held)
+                        held = []
             tail = usage()
         except Exception as exc:  # noqa: BLE001 - reported in-stream after the 200
             tail = stream_error(exc)
         finally:
             await rest.aclose()
-        yield tail + SSE_DONE
+        yield "".join(held) + tail + SSE_DONE
 
     async def stream(self, raw: Request, outputs: Outputs,
                      frames: Any) -> Any:
@@ -289,18 +293,6 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_dead(500)
     return from_exception(exc)
-
-
-
-async def renamed_refusals(outputs: Outputs, field: str) -> Outputs:
-    """`outputs`, a refusal of their constraint named by `field` (structured.named_refusal)."""
-    try:
-        async for item in outputs:
-            yield item
-    except RequestValidationError as exc:
-        raise named_refusal(exc, field) from exc
-    finally:
-        await outputs.aclose()
 
 
 async def until_disconnected(raw: Request, awaitable: Awaitable[T]) -> T | None:

@@ -47,8 +47,6 @@ from slotserve.entrypoints.openai.protocol import SessionChunk, random_uuid
 from slotserve.entrypoints.openai.serving_engine import OpenAIServing, to_api_error
 from slotserve.entrypoints.openai.structured import (
     check_constraint,
-    constraint_field,
-    named_refusal,
     rename_param,
     response_constraint,
 )
@@ -95,8 +93,7 @@ class _Queued:
 
 class _SessionState:
     __slots__ = ("session_id", "chunk_prompt_lens", "total_prompt", "total_completion",
-                 "ended", "gone", "client", "tickets", "structured_outputs",
-                 "constraint_field")
+                 "ended", "gone", "client", "tickets", "structured_outputs")
 
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
@@ -113,9 +110,6 @@ class _SessionState:
         self.tickets: list[Ticket] = []
         # The first chunk's constraint: it spans the session (a later chunk may not change it).
         self.structured_outputs: StructuredOutputsParams | None = None
-        # The field it came from when not structured_outputs (response_format): the engine's
-        # refusal of it is named so.
-        self.constraint_field: str | None = None
 
 
 class OpenAIServingSessions(OpenAIServing):
@@ -184,8 +178,7 @@ class OpenAIServingSessions(OpenAIServing):
                     raise bad_request("the session has ended: no input is taken after 'end'",
                                       None, "session_ended")
                 parsed = await self._parse(text, state)
-                queued = None if parsed is None else self._admit(state, *parsed[:2])
-                field = None if parsed is None else parsed[2]
+                queued = None if parsed is None else self._admit(state, *parsed)
                 if queued is not None and inputs.full():
                     # Refused rather than waited for: the reader keeps draining the socket,
                     # so a client that floods and leaves is noticed at once.
@@ -198,7 +191,6 @@ class OpenAIServingSessions(OpenAIServing):
                     chunk = queued.chunk
                     if not state.chunk_prompt_lens and chunk.sampling_params is not None:
                         state.structured_outputs = chunk.sampling_params.structured_outputs
-                        state.constraint_field = field
                     state.chunk_prompt_lens.append(len(chunk.prompt))
                     if queued.ticket is not None:
                         state.tickets.append(queued.ticket)
@@ -228,12 +220,11 @@ class OpenAIServingSessions(OpenAIServing):
         return _Queued(chunk, self.admission.admit(state.client, 1, tokens))
 
     async def _parse(self, raw: str, state: _SessionState
-                     ) -> tuple[StreamingInput, str | None, str | None] | None:
+                     ) -> tuple[StreamingInput, str | None] | None:
         """A message read (JSON and fields on the front's threads), its constraint checked on
         the grammar-check threads in the client's turn (as for HTTP requests: a large schema
         holds up no tokenization), then tokenized and processed on the front's threads.
-        With the chunk: its `user`, and the field its constraint came from when not
-        structured_outputs."""
+        With the chunk: its `user`."""
         read = await self.engine.run_off_loop(self._read_chunk, raw)
         if read is None:
             return None
@@ -241,8 +232,7 @@ class OpenAIServingSessions(OpenAIServing):
         if params.structured_outputs is not None:
             await check_constraint(params.structured_outputs, msg.response_format,
                                    _chunk_client(msg, state))
-        chunk, user = await self.engine.run_off_loop(self._process, msg, params, state)
-        return chunk, user, constraint_field(msg.response_format)
+        return await self.engine.run_off_loop(self._process, msg, params, state)
 
     def _read_chunk(self, raw: str) -> tuple[SessionChunk, SamplingParams] | None:
         try:
@@ -336,8 +326,7 @@ class OpenAIServingSessions(OpenAIServing):
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client, then closed
             logger.warning("session %s failed: %s", session_id, type(exc).__name__)
-            err = (named_refusal(exc, state.constraint_field)
-                   if isinstance(exc, RequestValidationError) else to_api_error(exc))
+            err = to_api_error(exc)  # a refusal names its constraint's field already
             # The client may be gone already (a failed send is what raised).
             with contextlib.suppress(Exception):
                 await ws.send_json({"type": "error", **err.body(), "fatal": True})

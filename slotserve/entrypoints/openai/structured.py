@@ -1,6 +1,7 @@
 """From an API request to the constraint its reply must keep: OpenAI's `response_format`,
 vLLM's `structured_outputs` extra field, or (chat) the grammar of its `tools` and
-`tool_choice`. Every problem is a 400 naming the field the client sent."""
+`tool_choice`. Every problem is a 400 naming the field the client sent: the constraint
+carries its name (StructuredOutputsParams.param), so the engine's own refusals name it too."""
 
 from __future__ import annotations
 
@@ -55,12 +56,12 @@ def response_constraint(response_format: ResponseFormat | None,
             raise bad_request("give response_format or structured_outputs, not both",
                               "response_format")
         if response_format.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
+            return StructuredOutputsParams(json_object=True, param="response_format")
         spec = response_format.json_schema
         if spec is None or spec.json_schema is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema",
                               "response_format.json_schema")
-        return StructuredOutputsParams(json=spec.json_schema)
+        return StructuredOutputsParams(json=spec.json_schema, param="response_format")
     if structured_outputs is None:
         return None
     return structured_outputs.to_params()
@@ -70,26 +71,6 @@ def rename_param(err: APIError, response_format: ResponseFormat | None) -> APIEr
     """An engine error about the constraint, named by the field the client sent."""
     if (err.param or "").startswith("structured_outputs") and response_format is not None:
         err.param = "response_format"
-    return err
-
-
-def constraint_field(response_format: ResponseFormat | None, tools: ToolContext | None = None
-                     ) -> str | None:
-    """The field a request's constraint came from when it was not `structured_outputs`
-    (the only name the engine knows): its tools' grammar, or `response_format`."""
-    if tools is not None and tools.constraint is not None:
-        return "tools"
-    if response_format is not None and response_format.type != "text":
-        return "response_format"
-    return None
-
-
-def named_refusal(exc: BaseException, field: str | None) -> APIError:
-    """`exc` as the client's error, a refusal of the constraint named by `field` (what the
-    client sent) instead of the engine's `structured_outputs`."""
-    err = from_exception(exc)
-    if field is not None and (err.param or "").startswith("structured_outputs"):
-        err.param = field
     return err
 
 
@@ -137,4 +118,5 @@ def tool_context(tools: list[ChatCompletionToolsParam] | None, tool_choice: Tool
         raise bad_request(f"the tools' parameter schemas make a grammar of {len(grammar)} "
                           f"characters, more than the limit of {MAX_GRAMMAR_CHARS}: send fewer "
                           "or smaller tools", "tools")
-    return ToolContext(template_tools, fmt, StructuredOutputsParams(grammar=grammar))
+    return ToolContext(template_tools, fmt, StructuredOutputsParams(grammar=grammar,
+                                                                    param="tools"))
