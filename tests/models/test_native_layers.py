@@ -42,12 +42,14 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return folder / "m.gguf"
 
 
-def generate(path: Path, native: bool, threads: int, kv: str = "auto"
+def generate(path: Path, native: bool, threads: int, kv: str = "auto", copies: int = 1
              ) -> tuple[ManualScheduler, int]:
-    """Greedy tokens and top-5 logprobs of the prompts, batched with chunked prefills; and
-    how many steps the native call ran."""
-    runner = ModelRunner(path, SchedulerConfig(max_num_seqs=4, max_model_len=128),
-                         CacheConfig(block_size=4, num_blocks=256, cache_dtype=kv),
+    """Greedy tokens and top-5 logprobs of the prompts (each `copies` times), batched with
+    chunked prefills; and how many steps the native call ran."""
+    prompts = PROMPTS * copies
+    runner = ModelRunner(path, SchedulerConfig(max_num_seqs=max(4, len(prompts)),
+                                               max_model_len=128),
+                         CacheConfig(block_size=4, num_blocks=256 * copies, cache_dtype=kv),
                          dtype="float32", device="cpu", quantization="auto")
     ran = 0
     layers = runner.model.decode_layers
@@ -66,7 +68,7 @@ def generate(path: Path, native: bool, threads: int, kv: str = "auto"
         layers.run = counted  # type: ignore[method-assign]
     sched = ManualScheduler(block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt, params, max_tokens=12)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -77,10 +79,14 @@ def generate(path: Path, native: bool, threads: int, kv: str = "auto"
     return sched, ran
 
 
-@pytest.mark.parametrize("threads,kv", [(1, "auto"), (2, "auto"), (1, "int8")])
-def test_native_layers_equal_the_modules(gguf_file: Path, threads: int, kv: str) -> None:
-    ref, _ = generate(gguf_file, native=False, threads=threads, kv=kv)
-    got, ran = generate(gguf_file, native=True, threads=threads, kv=kv)
+# copies=12: 36 sequences a step, so the threads also share the row-wise glue and the
+# activations' quantization (csrc/q8layers.h, q8call.h: from 16 and 32 rows).
+@pytest.mark.parametrize("threads,kv,copies", [(1, "auto", 1), (2, "auto", 1), (1, "int8", 1),
+                                               (2, "auto", 12)])
+def test_native_layers_equal_the_modules(gguf_file: Path, threads: int, kv: str,
+                                         copies: int) -> None:
+    ref, _ = generate(gguf_file, native=False, threads=threads, kv=kv, copies=copies)
+    got, ran = generate(gguf_file, native=True, threads=threads, kv=kv, copies=copies)
     assert ran >= 8, "the decode steps ran natively"
     for rid, want in ref.requests.items():
         assert got.requests[rid].outputs == want.outputs, rid

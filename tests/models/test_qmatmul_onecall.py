@@ -73,6 +73,22 @@ def test_one_call_equals_the_two_calls_bit_for_bit(level: native_build.CpuLevel,
                 f"{level.name} {qtype.name} {m}x{n}x{k} packed={w.packed} {threads} threads")
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K], ids=["Q8_0", "Q4_K"])
+def test_a_large_product_in_short_chunks_equals_the_two_calls(qtype: Q, threads: int) -> None:
+    """64 x 6600 x 2048: more multiply-adds than q8call.h's Q8X_CHUNK_WORK allows a chunk of
+    a few per thread, so its chunks are cut by work (and x is quantized in chunks, from 32
+    rows); the last chunk is partial."""
+    lib = native_qmatmul._library()
+    m, n, k = 64, 6600, 2048
+    data, _ = weight(qtype, n, k, seed=90)
+    plain = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(9))
+    for w in {id(v): v for v in (plain, plain.repacked())}.values():
+        out = torch.full((m, n), float("nan"))
+        w.matmul(x, out)
+        assert torch.equal(out, two_calls(w, x)), f"{qtype.name} packed={w.packed}"
+
+
 def test_weights_of_mixed_types_share_one_call(threads: int) -> None:
     """A q/k/v-like list: Q5_0 (packed where the build has it), Q8_0 of 8 rows (too few to
     pack) and Q4_K, into column slices of a wider, row-strided output."""

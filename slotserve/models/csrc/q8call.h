@@ -13,7 +13,7 @@
  * rows are split. `threads` > 1 shares the call between the caller and helper threads
  * (q8pool.h): the rows of x are quantized in chunks (from 32 rows; fewer the caller quantizes
  * alone), then every weight's rows are cut into chunks of whole tiles (64 rows and more, a few
- * per thread) that the threads claim as they come. One thread touches no pool at all. Included by qmatmul.c only, after q8mm.h and q8repack.h. */
+ * per thread, smaller for a large product) that the threads claim as they come. One thread touches no pool at all. Included by qmatmul.c only, after q8mm.h and q8repack.h. */
 #ifndef SLOTSERVE_Q8CALL_H
 #define SLOTSERVE_Q8CALL_H
 #include "q8pool.h"
@@ -81,8 +81,14 @@ typedef struct {
 
 #define Q8X_QUANT_ROWS 8  /* activation rows per chunk of the quantization */
 #define Q8X_CHUNKS_PER_THREAD 8
+/* At most about this many multiply-adds a chunk (~0.25 ms of one core at 32 rows of x): the
+   caller waits at the end for the chunks the helpers are running, so a chunk of a large
+   product (Gemma 3's 262k-row output projection: 16 chunks of 3 ms each at 32 rows) is
+   kept short, the more so as a helper preempted mid-chunk holds it up. */
+#define Q8X_CHUNK_WORK ((int64_t)1 << 25)
 
-static void q8x_quantize_chunk(const pool_job* job, int64_t c) {
+static void q8x_quantize_chunk(const pool_job* job, int64_t c, int slot) {
+    (void)slot;
     const q8x_call* w = (const q8x_call*)job->arg;
     int64_t i0 = c * Q8X_QUANT_ROWS, i1 = i0 + Q8X_QUANT_ROWS < w->m ? i0 + Q8X_QUANT_ROWS : w->m;
     for (int kind = 0; kind < Q8X_KINDS; kind++) {
@@ -93,7 +99,8 @@ static void q8x_quantize_chunk(const pool_job* job, int64_t c) {
     }
 }
 
-static void q8x_multiply_chunk(const pool_job* job, int64_t c) {
+static void q8x_multiply_chunk(const pool_job* job, int64_t c, int slot) {
+    (void)slot;
     const q8x_call* w = (const q8x_call*)job->arg;
     int s = 0;
     while (c >= w->first[s + 1]) s++;
@@ -141,6 +148,8 @@ int slotserve_qmatmul_q8_x(const qmm_seg* segs, int32_t nseg, int64_t k, const f
         w.arb[s] = act_row_bytes(kind, k);
         int64_t n = segs[s].n, per = (n + Q8X_CHUNKS_PER_THREAD * parts - 1)
                                      / (Q8X_CHUNKS_PER_THREAD * parts);
+        int64_t by_work = Q8X_CHUNK_WORK / (k * m);
+        per = per < by_work ? per : by_work;
         per = parts == 1 ? n : per;  /* one thread: one chunk per weight */
         per = (per + 63) / 64 * 64;
         w.rows[s] = per < 64 ? 64 : per;

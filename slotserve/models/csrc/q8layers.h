@@ -14,8 +14,8 @@
  * the K/V write) live in fused_ops.c and the attention in paged_decode.c, other libraries
  * built with their own flags: they are called through the function pointers of `ql_fns`,
  * filled once from those libraries. The products are slotserve_qmatmul_q8_x (q8call.h), and
- * the attention's sequences are shared over q8pool.h's threads as the Python caller shares
- * them over its pool (the same split, each sequence computed alike whatever the split).
+ * the attention's sequences are shared over q8pool.h's threads one at a time (each sequence
+ * computed alike whatever the split, so bit for bit the Python caller's results).
  * Included by qmatmul.c only, after q8call.h. */
 #ifndef SLOTSERVE_Q8LAYERS_H
 #define SLOTSERVE_Q8LAYERS_H
@@ -94,41 +94,103 @@ typedef struct {
     const ql_fns* f;
     const ql_layer* L;
     const ql_step* s;
-    int64_t parts;
     _Atomic int rc;
 } ql_attn;
 
-static void ql_attn_chunk(const pool_job* job, int64_t c) {
+/* Chunk c is sequence c; each thread scores into its own row of the scratch (its slot). */
+static void ql_attn_chunk(const pool_job* job, int64_t c, int slot) {
     ql_attn* a = (ql_attn*)job->arg;
     const ql_layer* L = a->L;
     const ql_step* s = a->s;
-    int64_t b0 = s->m * c / a->parts, b1 = s->m * (c + 1) / a->parts;
     int64_t qs = L->qkv.columns;
     int rc = a->f->paged_decode(
         s->qkv, qs, L->k_cache, L->v_cache, L->num_blocks, s->block_table, s->max_blocks,
         s->ctx_lens, s->windows[L->window], s->attn, L->nh * L->head_dim,
-        s->scores + c * s->score_len, s->score_len, b0, b1, L->kvh, L->nh / L->kvh,
+        s->scores + slot * s->score_len, s->score_len, c, c + 1, L->kvh, L->nh / L->kvh,
         L->head_dim, L->block_size, (float)L->scale, L->row_bytes, (int)L->kv_code);
     if (rc) atomic_store(&a->rc, rc);
 }
 
-/* The step's attention of one layer, its sequences split as native_attention.paged_decode
-   splits them over its threads. */
+/* The step's attention of one layer, one sequence a chunk, claimed as the threads come (each
+   sequence is computed alike whichever thread runs it). Why not native_attention's split
+   into one contiguous run of sequences per thread: a thread that starts late (preempted on a
+   shared machine) then leaves its whole half to wait for, and the sequences' context
+   lengths, so their costs, differ. */
 static int ql_attention(const ql_fns* f, const ql_layer* L, const ql_step* s) {
     int64_t parts = s->threads < s->m ? s->threads : s->m;
     parts = parts < s->score_rows ? parts : s->score_rows;
     parts = parts < 1 ? 1 : parts;
-    ql_attn a = {.f = f, .L = L, .s = s, .parts = parts, .rc = 0};
-    pool_job job = {ql_attn_chunk, parts, 0, &a};
+    ql_attn a = {.f = f, .L = L, .s = s, .rc = 0};
+    pool_job job = {ql_attn_chunk, s->m, 0, &a};
     pool_run(&job, (int)parts);
     return atomic_load(&a.rc);
 }
 
-static int ql_layer_run(const ql_fns* f, const ql_layer* L, const ql_step* s) {
-    int64_t m = s->m, d = s->hidden;
+/* The row-wise glue (the norms and the gated activation) over rows [r0, r1): each row's
+   result is computed alike however the rows are split. */
+enum { QL_GLUE_IN_NORM, QL_GLUE_ATTN_NORM, QL_GLUE_ACT, QL_GLUE_FF_NORM };
+
+typedef struct {
+    const ql_fns* f;
+    const ql_layer* L;
+    const ql_step* s;
+    int op;
+} ql_glue;
+
+static void ql_glue_rows(const ql_glue* g, int64_t r0, int64_t r1) {
+    const ql_fns* f = g->f;
+    const ql_layer* L = g->L;
+    const ql_step* s = g->s;
+    int64_t d = s->hidden, n = r1 - r0, at = r0 * d;
     float eps = (float)L->eps;
+    switch (g->op) {
+    case QL_GLUE_IN_NORM:
+        f->rms_norm(s->h + at, d, L->in_w, s->x + at, d, n, d, eps);
+        break;
+    case QL_GLUE_ATTN_NORM:
+        if (L->kind == QL_GEMMA3) f->rms_norm_add(s->h + at, s->o + at, d, L->post_attn_w,
+                                                  L->pre_ff_w, s->x + at, n, d, eps);
+        else f->add_rms_norm(s->h + at, s->o + at, d, L->post_attn_w, s->x + at, n, d, eps);
+        break;
+    case QL_GLUE_ACT:
+        f->gated_act(s->gu + r0 * 2 * L->inter, n, L->inter, s->act + r0 * L->inter,
+                     (int)L->act);
+        break;
+    default:
+        if (L->kind == QL_GEMMA3) {
+            f->rms_norm_add(s->h + at, s->o + at, d, L->post_ff_w, NULL, NULL, n, d, eps);
+        } else {
+            for (int64_t i = at; i < r1 * d; i++) s->h[i] = s->h[i] + s->o[i];  /* h.add_(mlp) */
+        }
+    }
+}
+
+#define QL_GLUE_ROWS 4        /* rows a chunk of the glue */
+#define QL_GLUE_MIN_ROWS 16   /* fewer: a few microseconds, less than a hand-off */
+
+static void ql_glue_chunk(const pool_job* job, int64_t c, int slot) {
+    (void)slot;
+    const ql_glue* g = (const ql_glue*)job->arg;
+    int64_t r0 = c * QL_GLUE_ROWS, r1 = r0 + QL_GLUE_ROWS < g->s->m ? r0 + QL_GLUE_ROWS : g->s->m;
+    ql_glue_rows(g, r0, r1);
+}
+
+/* Why split the glue at all: at 32 rows a layer's norms and GELU are ~0.1 ms that one thread
+   ran while the other waited (about 2 ms of a 2-thread step of Gemma 3 270M). */
+static void ql_glue_run(const ql_fns* f, const ql_layer* L, const ql_step* s, int op) {
+    ql_glue g = {.f = f, .L = L, .s = s, .op = op};
+    if (s->threads < 2 || s->m < QL_GLUE_MIN_ROWS) {
+        ql_glue_rows(&g, 0, s->m);
+        return;
+    }
+    pool_job job = {ql_glue_chunk, (s->m + QL_GLUE_ROWS - 1) / QL_GLUE_ROWS, 0, &g};
+    pool_run(&job, (int)s->threads);
+}
+
+static int ql_layer_run(const ql_fns* f, const ql_layer* L, const ql_step* s) {
+    int64_t m = s->m;
     int rc;
-    f->rms_norm(s->h, d, L->in_w, s->x, d, m, d, eps);
+    ql_glue_run(f, L, s, QL_GLUE_IN_NORM);
     if ((rc = ql_mm_run(&L->qkv, s->x, s->qkv, s))) return QL_OP_QKV << 8 | rc;
     rc = f->qkv_rope_store(s->qkv, L->qkv.columns, m, L->nh, L->kvh, L->head_dim, L->q_norm_w,
                            L->k_norm_w, (float)L->qk_eps, s->cos[L->rope], s->sin[L->rope],
@@ -137,17 +199,11 @@ static int ql_layer_run(const ql_fns* f, const ql_layer* L, const ql_step* s) {
     if (rc) return QL_OP_ROPE << 8 | rc;
     if ((rc = ql_attention(f, L, s))) return QL_OP_ATTN << 8 | rc;
     if ((rc = ql_mm_run(&L->o, s->attn, s->o, s))) return QL_OP_O << 8 | rc;
-    if (L->kind == QL_GEMMA3) f->rms_norm_add(s->h, s->o, d, L->post_attn_w, L->pre_ff_w, s->x,
-                                              m, d, eps);
-    else f->add_rms_norm(s->h, s->o, d, L->post_attn_w, s->x, m, d, eps);
+    ql_glue_run(f, L, s, QL_GLUE_ATTN_NORM);
     if ((rc = ql_mm_run(&L->gate_up, s->x, s->gu, s))) return QL_OP_GATE_UP << 8 | rc;
-    f->gated_act(s->gu, m, L->inter, s->act, (int)L->act);
+    ql_glue_run(f, L, s, QL_GLUE_ACT);
     if ((rc = ql_mm_run(&L->down, s->act, s->o, s))) return QL_OP_DOWN << 8 | rc;
-    if (L->kind == QL_GEMMA3) {
-        f->rms_norm_add(s->h, s->o, d, L->post_ff_w, NULL, NULL, m, d, eps);
-    } else {
-        for (int64_t i = 0; i < m * d; i++) s->h[i] = s->h[i] + s->o[i];  /* h.add_(mlp) */
-    }
+    ql_glue_run(f, L, s, QL_GLUE_FF_NORM);
     return 0;
 }
 

@@ -13,6 +13,17 @@
  *
  * A helper's `state`: IDLE -> POSTED (the caller gave it a job) -> RUNNING (it took the job)
  * -> IDLE (done); or POSTED -> IDLE when the caller takes the job back before it started.
+ *
+ * The caller waits for a running chunk by spinning briefly, then sleeping on the helper's
+ * state (the helper wakes it when done). Why not spin on (or sched_yield): when another
+ * process takes the helper's core, the helper sits preempted in that core's run queue, and a
+ * caller spinning on the other core keeps that core busy, so the scheduler never moves the
+ * helper onto it; the caller then waits out the other process's time slice (measured on a
+ * shared 2-core machine: the helper ran a third of the chunks instead of half). A sleeping
+ * caller leaves its core idle, and an idle core pulls the waiting helper at once.
+ *
+ * Each participant gets a slot (0 the caller, i + 1 helper i), so a job can give each one
+ * its own scratch whatever chunks it runs.
  * A forked child starts helpers of its own (threads do not survive fork), and a call that
  * finds the pool in use by another thread runs alone. Included by q8call.h only. */
 #ifndef SLOTSERVE_Q8POOL_H
@@ -27,12 +38,18 @@
 #endif
 
 #define POOL_MAX_HELPERS 15
-#define POOL_SPIN 4000  /* pause loops a helper polls for the next job before sleeping */
+/* Pause loops a helper polls for the next job before sleeping: ~25 us on an AMD EPYC (a pause
+   ~25 ns), longer than the caller's work between a step's jobs (a layer's RoPE + K/V write at
+   32 rows ~15 us; the rest is split). Why not longer: whatever a helper spins is taken from
+   the caller (or another process) when the cores are shared; 4000 (~100 us) cost a 2-thread
+   step of Gemma 3 270M 6-14 ms of CPU over one thread's at batch 32, 1000 cost 4-6. */
+#define POOL_SPIN 1000
+#define POOL_WAIT_SPIN 2000  /* pause loops the caller polls a running chunk before sleeping */
 enum { POOL_IDLE = 0, POOL_POSTED = 1, POOL_RUNNING = 2 };
 
 typedef struct pool_job pool_job;
 struct pool_job {
-    void (*run)(const pool_job*, int64_t chunk);
+    void (*run)(const pool_job*, int64_t chunk, int slot);  /* slot: see above */
     int64_t chunks;
     _Atomic int64_t next;  /* the next chunk to claim */
     const void* arg;
@@ -41,6 +58,7 @@ struct pool_job {
 typedef struct {
     _Atomic int state;
     _Atomic int sleeping;
+    _Atomic int waited;  /* the caller sleeps on `state` until the running job is done */
     pool_job* job;
     pthread_t thread;
 } pool_helper;
@@ -82,9 +100,9 @@ static void pool_wake(_Atomic int* word) {
 #endif
 }
 
-static void pool_run_chunks(pool_job* job) {
+static void pool_run_chunks(pool_job* job, int slot) {
     int64_t c;
-    while ((c = atomic_fetch_add(&job->next, 1)) < job->chunks) job->run(job, c);
+    while ((c = atomic_fetch_add(&job->next, 1)) < job->chunks) job->run(job, c, slot);
 }
 
 static void* pool_helper_main(void* p) {
@@ -103,8 +121,9 @@ static void* pool_helper_main(void* p) {
         int expect = POOL_POSTED;
         if (!atomic_compare_exchange_strong(&h->state, &expect, POOL_RUNNING))
             continue;  /* the caller took the job back */
-        pool_run_chunks(h->job);
+        pool_run_chunks(h->job, (int)(h - pool_helpers) + 1);
         atomic_store(&h->state, POOL_IDLE);
+        if (atomic_load(&h->waited)) pool_wake(&h->state);
     }
     return NULL;
 }
@@ -116,6 +135,7 @@ static int pool_ensure(int want) {
         pool_helper* h = &pool_helpers[pool_started];
         atomic_store(&h->state, POOL_IDLE);
         atomic_store(&h->sleeping, 0);
+        atomic_store(&h->waited, 0);
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -142,14 +162,20 @@ static void pool_run(pool_job* job, int threads) {
         atomic_store(&h->state, POOL_POSTED);
         if (atomic_load(&h->sleeping)) pool_wake(&h->state);
     }
-    pool_run_chunks(job);
+    pool_run_chunks(job, 0);
     for (int i = 0; i < helpers; i++) {
         pool_helper* h = &pool_helpers[i];
         int posted = POOL_POSTED;
         if (atomic_compare_exchange_strong(&h->state, &posted, POOL_IDLE)) continue;
-        for (int spins = 0; atomic_load(&h->state) != POOL_IDLE; spins++) {
-            if (spins < POOL_SPIN) pool_pause();
-            else sched_yield();  /* a descheduled helper: let it run */
+        for (int spins = 0; spins < POOL_WAIT_SPIN && atomic_load(&h->state) != POOL_IDLE;
+             spins++)
+            pool_pause();
+        while (atomic_load(&h->state) == POOL_RUNNING) {
+            /* The helper reads `waited` after it stores IDLE, and the futex sleeps only while
+               the state is still RUNNING: one of the two sees the other (both seq_cst). */
+            atomic_store(&h->waited, 1);
+            pool_sleep(&h->state, POOL_RUNNING);
+            atomic_store(&h->waited, 0);
         }
     }
     if (claimed) atomic_store(&pool_busy, 0);
