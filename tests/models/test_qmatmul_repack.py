@@ -9,6 +9,8 @@ every level this CPU runs:
   integer sums, the float sums in another order);
 - weights at their extremes (every byte 0xff or random, Q8_0's -128 included) times
   activations at +-127 give the reference's values: AVX2's int16 partial sums never saturate;
+- AVX2's Q8_0 in int16 (rp_q8_tile16) gives rp_tile's bits, with its activations widened in
+  passes of a few rows, and rows too long for its buffer take rp_tile itself;
 - the thread split changes no bit; embedding rows read from the packed layout are bit for bit
   the GGUF layout's dequantized rows (the layout round-trips);
 - a build without the layout (the portable levels) reports it and keeps the GGUF layout, and
@@ -17,6 +19,10 @@ every level this CPU runs:
 """
 
 from __future__ import annotations
+
+import ctypes
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,6 +118,31 @@ def test_packed_matmul_at_the_extremes(lib: native_qmatmul._Lib, qtype: Q) -> No
             blocks[:, :, 2:6] = np.array([0x80, 0x7f, 0x80, 0x81], np.uint8)  # -128, 127, ...
         dense = dequantize(raw, qtype).reshape(n, k).astype(np.float32)
         check_packed(lib, qtype, raw, dense, x, fill)
+
+
+def test_avx2_q8_0_passes_and_long_rows_change_no_bit(tmp_path: Path) -> None:
+    """The v3 kernel built with a 1280-value int16 buffer (RP_A16) against the default one:
+    K = 640 widens two activation rows a pass, K = 1312 is too long and runs rp_tile's
+    |w| x sign(a, w) products; both give the default build's bits (one pass of int16)."""
+    v3 = next((lv for lv in LEVELS if lv.name == "v3"), None)
+    cc = native_build.find_compiler()
+    if v3 is None or cc is None:
+        pytest.skip("this CPU does not run AVX2")
+    default = native_qmatmul.level_library(v3)
+    kernel = replace(native_qmatmul.KERNEL, cflags=(*native_qmatmul.KERNEL.cflags,
+                                                    "-DRP_A16=1280"))
+    small = native_qmatmul._Lib(ctypes.CDLL(str(native_build.compile_library(kernel, cc,
+                                                                              tmp_path, v3))))
+    assert default is not None
+    for k, seed in ((640, 11), (1312, 12)):
+        data, dense = weight(Q.Q8_0, 24, k, seed=seed)
+        if seed == 12:  # -128 and 127, the sign products' edge
+            data.reshape(24, -1, 34)[:, :, 2:4] = np.array([0x80, 0x7f], np.uint8)
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(seed))
+        got, want = torch.empty(9, 24), torch.empty(9, 24)
+        QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=small).repacked().matmul(x, got)
+        QuantWeight(torch.from_numpy(data), int(Q.Q8_0), k, lib=default).repacked().matmul(x, want)
+        assert torch.equal(got, want), k
 
 
 def test_packed_thread_split_changes_no_bit(lib: native_qmatmul._Lib) -> None:

@@ -45,58 +45,95 @@ enum {
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3 };
 
+/* The vector the loops work in: VW floats. A row is still read in 16-value chunks, and every
+   sum runs per 16-lane chunk lane in the same order at every width, so the bits do not depend
+   on VW. AVX2 has 16 ymm registers and no 512-bit type: GCC 12 lowers the 64-byte generic
+   vectors there into ymm pairs that round-trip through the stack (the tile's accumulators,
+   the loaded row values and `acc` all went through memory, 8.5x the AVX-512 time at batch
+   32), so AVX2 works in explicit 8-lane halves: NS vectors make one 16-value chunk. */
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define VW 8
+typedef float vf __attribute__((vector_size(32), aligned(4)));
+typedef int32_t vfi __attribute__((vector_size(32)));
+#else
+#define VW 16
+typedef v16 vf;
+typedef v16i vfi;
+#endif
+enum { NS = 16 / VW };
+
 typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
 typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
 typedef int8_t v16i8 __attribute__((vector_size(16), aligned(1)));
 
-/* 16 float16 / int8 values widened to floats. GCC 12 lowers __builtin_convertvector of these
-   types to one scalar conversion per lane (8x slower than a float32 cache at batch 32), so the
-   x86 levels name the vector instructions: AVX-512 converts 16 lanes at once, AVX2 + F16C two
-   halves of 8. The conversions are exact, so every path gives the same bits. */
+/* Vector v of a row (values v*VW .. v*VW+VW-1) widened to floats. GCC 12 lowers
+   __builtin_convertvector of float16 / int8 vectors to one scalar conversion per lane (8x
+   slower than a float32 cache at batch 32), so the x86 levels name the vector instructions.
+   The conversions are exact, so every path gives the same bits. */
 #if defined(__AVX512F__)
-static inline v16 f16_to_v16(const char* p) {
-    return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+static inline vf f16_load(const char* row, int64_t v) {
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(row + 32 * v)));
 }
-static inline v16 i8_to_v16(const char* p) {
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+static inline vf i8_load(const char* row, int64_t v) {
+    return (vf)_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + 16 * v))));
 }
-#elif defined(__AVX2__) && defined(__F16C__)
-typedef union { v16 v; __m256 h[2]; } v16_halves;
-static inline v16 f16_to_v16(const char* p) {
-    v16_halves r;
-    r.h[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-    r.h[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
-    return r.v;
+static inline vf bf16_load(const char* row, int64_t v) {
+    return (vf)(__builtin_convertvector(((const v16u16*)row)[v], v16i) << 16);
 }
-static inline v16 i8_to_v16(const char* p) {
-    v16_halves r;
-    r.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-    r.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
-    return r.v;
+#elif VW == 8
+static inline vf f16_load(const char* row, int64_t v) {
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + 16 * v)));
+}
+static inline vf i8_load(const char* row, int64_t v) {
+    return (vf)_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + 8 * v))));
+}
+static inline vf bf16_load(const char* row, int64_t v) {
+    __m128i h = _mm_loadu_si128((const __m128i*)(row + 16 * v));
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
 }
 #else
-static inline v16 f16_to_v16(const char* p) {
+static inline vf f16_load(const char* row, int64_t v) {
     v16f16 h;
-    memcpy(&h, p, sizeof h);
+    memcpy(&h, row + 32 * v, sizeof h);
     return __builtin_convertvector(h, v16);
 }
-static inline v16 i8_to_v16(const char* p) {
+static inline vf i8_load(const char* row, int64_t v) {
     v16i8 b;
-    memcpy(&b, p, sizeof b);
+    memcpy(&b, row + 16 * v, sizeof b);
     return __builtin_convertvector(b, v16);
+}
+static inline vf bf16_load(const char* row, int64_t v) {
+    return (vf)(__builtin_convertvector(((const v16u16*)row)[v], v16i) << 16);
 }
 #endif
 
-/* Values c*16 .. c*16+15 of a cache row, as floats. */
-static inline __attribute__((always_inline)) v16 load16(const char* row, int64_t c,
-                                                         const int kvt) {
-    if (kvt == KV_F32) return ((const v16*)row)[c];
-    if (kvt == KV_BF16) {
-        v16i bits = __builtin_convertvector(((const v16u16*)row)[c], v16i) << 16;
-        return (v16)bits;
-    }
-    if (kvt == KV_F16) return f16_to_v16(row + 32 * c);
-    return i8_to_v16(row + 16 * c);
+static inline __attribute__((always_inline)) vf loadv(const char* row, int64_t v,
+                                                       const int kvt) {
+    if (kvt == KV_F32) return ((const vf*)row)[v];
+    if (kvt == KV_BF16) return bf16_load(row, v);
+    if (kvt == KV_F16) return f16_load(row, v);
+    return i8_load(row, v);
+}
+
+/* The sum of one 16-lane chunk held as NS vectors, in simd.h's hsum order (lane i + lane
+   i + 8 first, then + 4, + 2, + 1). */
+#ifdef __clang__
+#define SHUF8(x, ...) __builtin_shufflevector(x, x, __VA_ARGS__)
+#else
+#define SHUF8(x, ...) __builtin_shuffle(x, (vfi){__VA_ARGS__})
+#endif
+static inline float hsum_chunk(const vf* a) {
+#if VW == 8
+    vf x = a[0] + a[1];
+    x += SHUF8(x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x += SHUF8(x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x += SHUF8(x, 1, 0, 3, 2, 5, 4, 7, 6);
+    return x[0];
+#else
+    return hsum(a[0]);
+#endif
 }
 
 /* The float16 scale of q8_0 block `blk` of an int8 row (1 for the other types): the scales
@@ -120,32 +157,39 @@ enum { HT = 4 };
 static inline __attribute__((always_inline)) void score_tile(
         const char* kr, const float* qb, int64_t h0, const int nt, int64_t nblk, int64_t cpb,
         int64_t head_dim, float scale, float* p, int64_t span, int64_t at, const int kvt) {
-    v16 a[HT];
-    for (int h = 0; h < nt; h++) a[h] = (v16){0};
+    const vf* qv = (const vf*)qb;
+    int64_t nv = head_dim / VW;
+    vf a[HT][NS];
+    for (int h = 0; h < nt; h++)
+        for (int s = 0; s < NS; s++) a[h][s] = (vf){0};
     for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
         float sc = block_scale(kr, bk, head_dim, kvt);
         for (int64_t j = 0; j < cpb; j++, c++) {
-            v16 x = load16(kr, c, kvt) * sc;  /* scaled once for the tile (int8 only) */
-            for (int h = 0; h < nt; h++) a[h] += ((const v16*)(qb + (h0 + h) * head_dim))[c] * x;
+            for (int s = 0; s < NS; s++) {
+                vf x = loadv(kr, c * NS + s, kvt) * sc;  /* scaled once for the tile */
+                for (int h = 0; h < nt; h++) a[h][s] += qv[(h0 + h) * nv + c * NS + s] * x;
+            }
         }
     }
-    for (int h = 0; h < nt; h++) p[(h0 + h) * span + at] = scale * hsum(a[h]);
+    for (int h = 0; h < nt; h++) p[(h0 + h) * span + at] = scale * hsum_chunk(a[h]);
 }
 
 /* acc[h] += p[h][i] * V row `vr` for the heads h0 .. h0 + nt - 1 (probabilities
-   p[h * span + at]): the row's rows are read front to back, as they lie in memory. */
+   p[h * span + at]): the row's values are read front to back, as they lie in memory. */
 static inline __attribute__((always_inline)) void value_tile(
         const char* vr, const float* p, int64_t span, int64_t at, int64_t h0, const int nt,
-        v16* acc, int64_t nc, int64_t nblk, int64_t cpb, int64_t head_dim, const int kvt) {
+        vf* acc, int64_t nv, int64_t nblk, int64_t cpb, int64_t head_dim, const int kvt) {
     float pw[HT];
     for (int h = 0; h < nt; h++) pw[h] = p[(h0 + h) * span + at];
     for (int64_t bk = 0, c = 0; bk < nblk; bk++) {
         float sc = block_scale(vr, bk, head_dim, kvt);
-        v16 w[HT];
-        for (int h = 0; h < nt; h++) w[h] = (v16){0} + pw[h] * sc;
+        vf w[HT];
+        for (int h = 0; h < nt; h++) w[h] = (vf){0} + pw[h] * sc;
         for (int64_t j = 0; j < cpb; j++, c++) {
-            v16 x = load16(vr, c, kvt);
-            for (int h = 0; h < nt; h++) acc[(h0 + h) * nc + c] += w[h] * x;
+            for (int s = 0; s < NS; s++) {
+                vf x = loadv(vr, c * NS + s, kvt);
+                for (int h = 0; h < nt; h++) acc[(h0 + h) * nv + c * NS + s] += w[h] * x;
+            }
         }
     }
 }
@@ -171,7 +215,7 @@ static inline __attribute__((always_inline)) int decode(
         float* scratch, int64_t scratch_len, int64_t b0, int64_t b1, int64_t kvh,
         int64_t groups, int64_t head_dim, int64_t bs, float scale, int64_t row_bytes,
         const int kvt) {
-    int64_t nh = kvh * groups, nc = head_dim / 16;
+    int64_t nh = kvh * groups, nv = head_dim / VW;
     /* Scale blocks per row and 16-value chunks per block (int8: 32 values, or the whole row
        when head_dim is no multiple of 32; the other types: one unscaled block). */
     int64_t qk = kvt == KV_INT8 && head_dim % 32 == 0 ? 32 : head_dim;
@@ -216,7 +260,7 @@ static inline __attribute__((always_inline)) int decode(
             float inv = 1.0f / sum;
             for (int64_t t = 0; t < span; t++) ph[t] *= inv;
         }
-        v16* acc = (v16*)(out + b * out_stride);
+        vf* acc = (vf*)(out + b * out_stride);
         memset(acc, 0, sizeof(float) * nh * head_dim);
         for (int64_t t0 = first * bs; t0 < n; t0 += bs) {
             const char* blk = v_cache + blocks[t0 / bs] * blk_stride;
@@ -228,7 +272,7 @@ static inline __attribute__((always_inline)) int decode(
                     const char* vr = blk + i * tok_stride + g * row_bytes;
                     for (int64_t h0 = g * groups; h0 < (g + 1) * groups; h0 += HT) {
                         int64_t left = (g + 1) * groups - h0;
-#define VALUE(nt) value_tile(vr, p, span, t0 + i - lo, h0, nt, acc, nc, nblk, cpb, \
+#define VALUE(nt) value_tile(vr, p, span, t0 + i - lo, h0, nt, acc, nv, nblk, cpb, \
                              head_dim, kvt)
                         BY_TILE(left < HT ? left : HT, VALUE)
 #undef VALUE

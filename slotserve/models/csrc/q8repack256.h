@@ -11,8 +11,9 @@
  * are summed as int16 over up to 8, 4, 2 registers (8 * 2 * 15 * 127 = 30480) before one
  * vpmaddwd, by 1 or by the K-quants' per-row scale; Q8_0, whose + 128 would saturate, is kept
  * signed in this layout and multiplied as |w| times sign(a, w) (at most 2 * 128 * 127), as
- * ggml's AVX2 code does. Every integer sum is exact either way; per output the float sum runs
- * over the blocks in order: y = sum_b (d_w,b * d_a,b) * isum_b. Included by q8repack.h only,
+ * ggml's AVX2 code does, or (without AVX-VNNI, rows of at most RP_A16 values) both sides
+ * widened to int16 for vpmaddwd alone (rp_q8_tile16). Every integer sum is exact either way;
+ * per output the float sum runs over the blocks in order: y = sum_b (d_w,b * d_a,b) * isum_b. Included by q8repack.h only,
  * where AVX2, FMA and F16C are on. */
 #ifndef SLOTSERVE_Q8REPACK256_H
 #define SLOTSERVE_Q8REPACK256_H
@@ -164,6 +165,117 @@ static inline RP_AI void rp_tile(const int type, const int shift, const uint8_t*
     for (int i = 0; i < mr; i++) _mm256_storeu_ps(y + i * ldy, acc[i]);
 }
 
+#ifndef __AVXVNNI__
+/* Q8_0 with AVX2 in int16: vpmaddubsw needs |w| and sign(a, w) here (w + 128 would saturate),
+   and on Zen 4 the sign, vpmaddubsw and vpmaddwd all issue to the same two of the four vector
+   pipes (as do vpabsb and the float multiply-adds): 3 ops there per 32 multiply-adds.
+   Widened to int16 instead (the weights once per block for every activation row of the tile,
+   the activations once per call, RP_A16 values at a time), a vpmaddwd does 16 multiply-adds
+   and its vpaddd runs on any pipe: 2 ops there per 32. The int16 weight register of rows 0-3
+   (4-7) holds each row's 4 values in two int32 lanes, so per row two lanes are summed over the
+   block's 8 registers (at most 16 * 2 * 128 * 127, exact) and one vphaddd of the two halves
+   gives rows 0 1 4 5 2 3 6 7: the block scales are put in that order and the sums back in row
+   order at the end. The integer sums are rp_tile's, the float steps the same, so the outputs
+   are its bits. */
+#ifndef RP_A16
+#define RP_A16 (32 * 1024)  /* int16 activations per pass, on the stack (64 KiB; 51 rows
+                                of Gemma 3 270M's 640) */
+#endif
+#ifndef RP_MR16
+#define RP_MR16 6  /* activation rows per tile (at most 6): 12 int32 sums, 2 weight registers,
+                      the broadcast and a product, the 6 float sums read once a block */
+#endif
+#if RP_MR16 > 6
+#error "rp_q8_tile16's driver handles tiles of at most 6 rows"
+#endif
+
+static inline RP_AI void rp_q8_tile16(const uint8_t* grp, int64_t nb, const int16_t* a16,
+                                      int64_t k, const uint8_t* act, int64_t arb, float* y,
+                                      int64_t ldy, const int mr, const int pf) {
+    const int64_t rb = (int64_t)RP_ROWS * 34;
+    const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  /* its own inverse */
+    __m256 acc[RP_MR16];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* rec = grp + b * rb;
+        if (pf)
+            for (int64_t p = 0; p < rb; p += 64)
+                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
+        __m256i lo[RP_MR16], hi[RP_MR16];
+        for (int i = 0; i < mr; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const uint8_t* wq = rec + 16 + 32 * g;
+            const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wq));
+            const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wq + 16)));
+            for (int i = 0; i < mr; i++) {
+                int64_t a4;  /* values 4g..4g+3 of the block, row i */
+                memcpy(&a4, a16 + i * k + 32 * b + 4 * g, sizeof a4);
+                const __m256i a = _mm256_set1_epi64x(a4);
+                const __m256i pl = _mm256_madd_epi16(wl, a), ph = _mm256_madd_epi16(wh, a);
+                lo[i] = _mm256_add_epi32(lo[i], pl);
+                hi[i] = _mm256_add_epi32(hi[i], ph);
+                /* keeps the sums as chains in registers: GCC's reassociation would otherwise
+                   hold all 16 products of a row on the stack and add them as a tree */
+                __asm__("" : "+x"(lo[i]), "+x"(hi[i]));
+            }
+        }
+        const __m256 dw = _mm256_permutevar8x32_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec)), perm);
+        for (int i = 0; i < mr; i++) {
+            const float da = ((const float*)(act + i * arb + k))[b];
+            const __m256i is = _mm256_hadd_epi32(lo[i], hi[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(da)), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        _mm256_storeu_ps(y + i * ldy, _mm256_permutevar8x32_ps(acc[i], perm));
+}
+
+static void q8_0_sign_rp_mm(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                            int64_t, float*, int64_t, int64_t, int64_t);
+
+/* The Q8_0 driver: activation rows [m0, m1) widened to int16 RP_A16 values at a time, each
+   such pass against groups [g0, g1); rows longer than RP_A16 take rp_tile's signs instead. */
+static void q8_0_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,
+                       int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy, int64_t g0,
+                       int64_t g1) {
+    if (k > RP_A16) {
+        q8_0_sign_rp_mm(wp, nb, act, arb, k, m0, m1, y, ldy, g0, g1);
+        return;
+    }
+    int16_t a16[RP_A16] __attribute__((aligned(32)));
+    const int64_t rows = RP_A16 / k;
+    for (int64_t c0 = m0; c0 < m1; c0 += rows) {
+        const int64_t c1 = m1 - c0 < rows ? m1 : c0 + rows;
+        for (int64_t i = c0; i < c1; i++)
+            for (int64_t j = 0; j < k; j += 16)
+                _mm256_storeu_si256((__m256i*)(a16 + (i - c0) * k + j), _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i*)(act + i * arb + j))));
+        for (int64_t grp = g0; grp < g1; grp++) {
+            const uint8_t* gp = wp + grp * nb * RP_ROWS * 34;
+            for (int64_t i = c0; i < c1; i += RP_MR16) {
+                const int16_t* ai = a16 + (i - c0) * k;
+                const uint8_t* a_ = act + i * arb;
+                float* y_ = y + i * ldy + grp * RP_ROWS;
+                const int pf = i == c0 && q8_prefetching(m0, m1, 1);
+#define RP_T16(mr) rp_q8_tile16(gp, nb, ai, k, a_, arb, y_, ldy, mr, pf)
+                switch (c1 - i < RP_MR16 ? (int)(c1 - i) : RP_MR16) {
+                    case 1: RP_T16(1); break;
+                    case 2: RP_T16(2); break;
+                    case 3: RP_T16(3); break;
+                    case 4: RP_T16(4); break;
+                    case 5: RP_T16(5); break;
+                    default: RP_T16(RP_MR16);
+                }
+#undef RP_T16
+            }
+        }
+    }
+}
+#endif
+
 /* Q4_K: per block and activation row, each sub-block's integer dot for 8 rows times its
    scale, and the mins times the activation's bsums (rp8_pairdot), exact int32; then
    acc += (d_w * d_a) * isum - (dmin_w * d_a) * msum, as q8dot.h's formula. */
@@ -289,7 +401,12 @@ static inline RP_AI void rp_6_tile(const uint8_t* grp, int64_t nb, const uint8_t
     rp_tile(8, 7, gp, nb, a_, arb, k, y_, ldy, mr, pf)
 
 RP_GROUPS_MM(q4_0, RP_Q4_0_TILE, 18, RP_MR) RP_GROUPS_MM(q5_0, RP_Q5_0_TILE, 22, RP_MR)
-RP_GROUPS_MM(q8_0, RP_Q8_0_TILE, 34, RP_MR) RP_GROUPS_MM(q4_k, rp_k_tile, 144, RP_MR)
+#ifdef __AVXVNNI__
+RP_GROUPS_MM(q8_0, RP_Q8_0_TILE, 34, RP_MR)
+#else
+RP_GROUPS_MM(q8_0_sign, RP_Q8_0_TILE, 34, RP_MR)
+#endif
+RP_GROUPS_MM(q4_k, rp_k_tile, 144, RP_MR)
 RP_GROUPS_MM(q6_k, rp_6_tile, 210, RP_MR)
 
 #endif
