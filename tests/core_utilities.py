@@ -114,6 +114,13 @@ def set_mask_budget(core: Any, seconds: float | None) -> float | None:
     return previous
 
 
+def switch_interval(core: Any) -> float:
+    """The core process's GIL switch interval (sys.getswitchinterval)."""
+    import sys
+
+    return sys.getswitchinterval()
+
+
 def hold(core: Any, seconds: float) -> None:
     """Keep the core busy inside a utility call."""
     time.sleep(seconds)
@@ -121,5 +128,6 @@ def hold(core: Any, seconds: float) -> None:
 
 for _utility in (install_fault, remove_fault, break_scheduler, install_request_fault,
                  remove_request_fault, count_added_requests, stop_counting_requests,
-                 counted_requests, core_state, engine_core, set_mask_budget, hold):
+                 counted_requests, core_state, engine_core, set_mask_budget, hold,
+                 switch_interval):
     setattr(EngineCore, _utility.__name__, _utility)

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "slotserve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Shared records every layer may use.
     ("base", ("slotserve.errors", "slotserve.config", "slotserve.sampling_params",
-              "slotserve.gc_freeze", "slotserve.memory", "slotserve.model_config", "slotserve.spec_decode.config",
+              "slotserve.gc_freeze", "slotserve.gil_switch", "slotserve.memory", "slotserve.model_config", "slotserve.spec_decode.config",
               "slotserve.lora.request")),
     # The scheduler-to-worker messages (DESIGN.md section 2): the contract between the two
     # layers sits beneath both, so the worker reads it without importing the scheduler.

@@ -40,6 +40,7 @@ from slotserve.engine.messages import (
 )
 from slotserve.errors import EngineDeadError
 from slotserve.gc_freeze import freeze_long_lived, thaw
+from slotserve.gil_switch import shorten_switch_interval
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,8 @@ def run_engine_core_process(conn: Connection, args: EngineArgs, threads: int | N
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        # The step loop shares the GIL with the pipe threads and the grammar compiles.
+        shorten_switch_interval()
         if threads:
             import torch
 

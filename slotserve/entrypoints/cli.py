@@ -18,6 +18,7 @@ from slotserve.engine.args import EngineArgs
 from slotserve.entrypoints import bench_serve
 from slotserve.entrypoints.openai.limits import ServerLimits
 from slotserve.entrypoints.openai.stream_interval import check_stream_interval
+from slotserve.gil_switch import shorten_switch_interval
 
 DEFAULT_PROMPT = "To be, or not"
 DEFAULT_MODEL_NAME = "slotserve-default"
@@ -275,6 +276,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         threads = set_threads(args.threads)
     try:
+        # The event loop shares the GIL with the tokenizing and schema-checking threads.
+        shorten_switch_interval()
         engine = AsyncLLM.from_engine_args(**engine_kwargs_from_args(args),
                                            engine_mode=args.engine_mode, threads=threads)
     except SlotServeError as exc:

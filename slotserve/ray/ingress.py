@@ -39,6 +39,7 @@ from slotserve.entrypoints.openai.lora_models import LORA_ADMIN_PATHS
 from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, ModelCard, ModelList
 from slotserve.entrypoints.openai.serving_chat import render_request
 from slotserve.entrypoints.openai.serving_engine import json_response
+from slotserve.gil_switch import shorten_switch_interval
 from slotserve.ray.relay import REPLICA_GONE, Relay, fan_out, relay_session, render_metrics
 from slotserve.ray.server import REPLICA_HEADER, ReplicaUnavailable
 from slotserve.ray.state import avoid_replica, live_replicas, replica_reports
@@ -59,6 +60,7 @@ class OpenAIIngress:
     def __init__(self, models: dict[str, DeploymentHandle], model_paths: dict[str, str],
                  api_key: str | None = None, limits: ServerLimits | None = None,
                  admin_api_key: str | None = None, enable_admin: bool = False) -> None:
+        shorten_switch_interval()  # as `slotserve serve` does: tokenizing shares the GIL
         self.models = models
         self.model_paths = model_paths
         self.default_model = next(iter(models))

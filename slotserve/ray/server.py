@@ -30,6 +30,7 @@ from slotserve.entrypoints.openai.lora_models import LoRAModels
 from slotserve.entrypoints.openai.serving_chat import PROMPT_IDS_SCOPE_KEY
 from slotserve.entrypoints.openai.stream_interval import StreamInterval, check_stream_interval
 from slotserve.errors import EngineDeadError
+from slotserve.gil_switch import shorten_switch_interval
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-slotserve-replica"
@@ -141,6 +142,7 @@ class LLMServer:
                  tool_call_parser: str | None = None, enable_admin: bool = False,
                  admin_api_key: str | None = None, stream_interval: int = 1) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        shorten_switch_interval()  # as `slotserve serve` does: the front shares a GIL
         self.engine = AsyncLLM.from_engine_args(engine_mode="process", threads=threads,
                                                 **engine_kwargs)
         self.app = build_app(self.engine, served_model_names=[served_model_name],
