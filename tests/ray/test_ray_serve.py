@@ -115,13 +115,26 @@ def complete(c: Cluster, prompt: str, model: str = "a", **kw: Any) -> tuple[str,
     return raw.headers[REPLICA_HEADER], raw.parse().choices[0].text
 
 
-def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+def eventually(check: Callable[[], bool], timeout: float, what: str,
+               explain: Callable[[], str] = str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
         time.sleep(0.5)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
+    raise AssertionError(f"not within {timeout:g} s: {what}; {explain()}")
+
+
+def deployment_status(name: str) -> str:
+    """What Serve says of a deployment: its status, message and replicas per state."""
+    d = serve.status().applications["slotserve"].deployments[name]
+    states = {str(k): v for k, v in d.replica_states.items()}
+    return f"Serve: {name} {d.status} {states} {d.message!r}"
+
+
+def running_replicas(name: str) -> int:
+    d = serve.status().applications["slotserve"].deployments[name]
+    return sum(v for k, v in d.replica_states.items() if str(k).endswith("RUNNING"))
 
 
 def test_models_completions_chat_and_streams_through_openai(cluster: Cluster) -> None:
@@ -269,16 +282,25 @@ def test_killed_replicas_are_replaced_and_service_goes_on(cluster: Cluster) -> N
             return False
         return replica != b_old["replica_id"]
 
-    eventually(b_replaced, 120, "a new replica of b answers")
-
+    # Starting a replica (torch, the model, its engine process) takes seconds here and has
+    # taken minutes on a busy CI machine: Serve's own view is waited on first, so a failure
+    # says whether Serve replaced the replica or the router did not use the new one.
+    explain_b = lambda: deployment_status("LLMServer:b")  # noqa: E731
+    eventually(b_replaced, 240, "a new replica of b answers", explain_b)
+    explain_a = lambda: deployment_status("LLMServer:a")  # noqa: E731
+    eventually(lambda: running_replicas("LLMServer:a") == 2, 240,
+               "Serve runs a new replica of a", explain_a)
     rounds = iter(range(1000))
+    answered: set[str] = set()
 
     def a_replaced() -> bool:
         k = next(rounds)
         ids = {complete(cluster, f"fresh {k} {i} " * 6)[0] for i in range(4)}
+        answered.update(ids)
         return len(ids) == 2 and a_first not in ids
 
-    eventually(a_replaced, 120, "a new replica of a answers")
+    eventually(a_replaced, 60, "a new replica of a answers",
+               lambda: f"{explain_a()}; answered by {sorted(answered)}")
     # The adapter loaded at run time was replayed onto the new replica.
     assert a_first not in complete_on_each(cluster, "adapter3")
 
