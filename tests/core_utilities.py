@@ -4,6 +4,7 @@ it in SLOTSERVE_PLUGINS, so a core in a child process imports it too."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -116,8 +117,6 @@ def set_mask_budget(core: Any, seconds: float | None) -> float | None:
 
 def switch_interval(core: Any) -> float:
     """The core process's GIL switch interval (sys.getswitchinterval)."""
-    import sys
-
     return sys.getswitchinterval()
 
 

@@ -125,16 +125,20 @@ def eventually(check: Callable[[], bool], timeout: float, what: str,
     raise AssertionError(f"not within {timeout:g} s: {what}; {explain()}")
 
 
+def _deployment(name: str) -> Any:
+    return serve.status().applications["slotserve"].deployments[name]
+
+
 def deployment_status(name: str) -> str:
     """What Serve says of a deployment: its status, message and replicas per state."""
-    d = serve.status().applications["slotserve"].deployments[name]
+    d = _deployment(name)
     states = {str(k): v for k, v in d.replica_states.items()}
     return f"Serve: {name} {d.status} {states} {d.message!r}"
 
 
 def running_replicas(name: str) -> int:
-    d = serve.status().applications["slotserve"].deployments[name]
-    return sum(v for k, v in d.replica_states.items() if str(k).endswith("RUNNING"))
+    return sum(v for k, v in _deployment(name).replica_states.items()
+               if str(k).endswith("RUNNING"))
 
 
 def test_models_completions_chat_and_streams_through_openai(cluster: Cluster) -> None:
