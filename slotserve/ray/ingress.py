@@ -42,7 +42,12 @@ from slotserve.entrypoints.openai.serving_engine import json_response
 from slotserve.gil_switch import shorten_switch_interval
 from slotserve.ray.relay import REPLICA_GONE, Relay, fan_out, relay_session, render_metrics
 from slotserve.ray.server import REPLICA_HEADER, ReplicaUnavailable
-from slotserve.ray.state import avoid_replica, live_replicas, replica_reports
+from slotserve.ray.state import (
+    all_router_loads,
+    avoid_replica,
+    live_replicas,
+    replica_reports,
+)
 from slotserve.routing.policy import request_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -146,7 +151,8 @@ class OpenAIIngress:
         if path == "/v1/models" and raw.method == "GET":
             return json_response(ModelList(data=await self._model_cards()))
         if path == "/metrics" and raw.method == "GET":
-            return Response(render_metrics(replica_reports()), media_type=CONTENT_TYPE_LATEST)
+            return Response(render_metrics(replica_reports(), all_router_loads()),
+                            media_type=CONTENT_TYPE_LATEST)
         body = await read_body(raw, self.limits.max_body_bytes,
                                self.limits.timeout_request_read_s)
         headers = [(k, v) for k, v in raw.scope["headers"] if k != b"content-length"]

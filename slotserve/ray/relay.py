@@ -133,10 +133,19 @@ async def fan_out(replicas: list[str],
     return answer
 
 
-def render_metrics(reports: dict[str, dict[str, dict[str, Any]]]) -> bytes:
+ROUTER_LOAD = "slotserve:router_requests_in_flight"
+
+
+def render_metrics(reports: dict[str, dict[str, dict[str, Any]]],
+                   loads: dict[str, dict[str, int]] | None = None) -> bytes:
     """Every replica's exposition merged into one, each sample labelled with its model and
-    replica (one HELP/TYPE per family)."""
+    replica (one HELP/TYPE per family), and the ingress router's own load term per replica."""
     families: dict[str, tuple[str, str, list[str]]] = {}
+    if loads:
+        families[ROUTER_LOAD] = ("gauge", "Requests the ingress's router has in flight on the "
+                                 "replica (the load term of its ranking).", [
+            f'{ROUTER_LOAD}{{model="{_escape(model)}",replica="{_escape(rid)}"}} {n}'
+            for model, per in sorted(loads.items()) for rid, n in sorted(per.items())])
     for model, replicas in sorted(reports.items()):
         for replica_id, stats in sorted(replicas.items()):
             for fam in text_string_to_metric_families(stats.get("metrics", "")):

@@ -22,8 +22,13 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from slotserve.ray.state import avoided, model_reports, set_live_replicas
+from slotserve.ray.state import avoided, model_reports, router_loads, set_live_replicas
 from slotserve.routing.policy import PolicyConfig, RouterPolicy, RoutingPolicy
+
+# A replica that reports an empty queue and was sent nothing for this long holds none of this
+# router's requests: a count above zero then is a completion Ray never reported, and left
+# alone it would steer every cold request away from that replica for good.
+STALE_INFLIGHT_S = 3.0
 
 
 def _route_of(pending: PendingRequest | None) -> list[bytes] | str:
@@ -47,7 +52,10 @@ class PrefixAwareRouter(RequestRouter):
         self._policy = RoutingPolicy(policy, PolicyConfig(
             imbalanced_threshold=imbalanced_threshold, load_weight=load_weight), seed=seed)
         self._model = model
-        self._inflight: dict[str, int] = {}
+        # The router's in-flight requests per replica (its load term), shared with the
+        # ingress's /metrics.
+        self._inflight: dict[str, int] = router_loads(model)
+        self._last_routed: dict[str, float] = {}
         self._seen_stats: dict[str, int] = {}
         set_live_replicas(model, getattr(self, "_live", []))
 
@@ -62,9 +70,14 @@ class PrefixAwareRouter(RequestRouter):
                 self._seen_stats[rid] = id(stats)
                 self._policy.index.report(rid, stats.get("hashes", ()), now)
                 reports[rid] = stats
+                if (stats.get("queue") == 0 and self._inflight.get(rid)
+                        and now - self._last_routed.get(rid, 0.0) > STALE_INFLIGHT_S):
+                    self._inflight[rid] = 0
         for rid in [k for k in reports if k not in live]:
             del reports[rid]
         self._policy.index.retain(live)
+        for rid in [k for k in self._inflight if k not in live]:
+            del self._inflight[rid]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -91,7 +104,9 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
-        self._policy.routed(rid, _hashes_of(pending_request), time.monotonic())
+        now = time.monotonic()
+        self._policy.routed(rid, _hashes_of(pending_request), now)
+        self._last_routed[rid] = now
         self._inflight[rid] = self._inflight.get(rid, 0) + 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

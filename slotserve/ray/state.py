@@ -12,6 +12,8 @@ _REPORTS: dict[str, dict[str, dict[str, Any]]] = {}
 # model -> replica id -> until when no request goes there (its engine died; Serve replaces it).
 _AVOID: dict[str, dict[str, float]] = {}
 AVOID_S = 60.0
+# model -> replica id -> the requests its router has in flight there (its load term).
+_LOADS: dict[str, dict[str, int]] = {}
 # model -> the ids of its running replicas, as its router last heard from Serve.
 _LIVE: dict[str, list[str]] = {}
 
@@ -22,6 +24,15 @@ def replica_reports() -> dict[str, dict[str, dict[str, Any]]]:
 
 def model_reports(model: str) -> dict[str, dict[str, Any]]:
     return _REPORTS.setdefault(model, {})
+
+
+def router_loads(model: str) -> dict[str, int]:
+    """The router's in-flight count per replica of `model` (the router updates it in place)."""
+    return _LOADS.setdefault(model, {})
+
+
+def all_router_loads() -> dict[str, dict[str, int]]:
+    return _LOADS
 
 
 def avoid_replica(model: str, replica_id: str) -> None:

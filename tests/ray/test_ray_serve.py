@@ -23,12 +23,14 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from websockets.exceptions import InvalidStatus  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from slotserve.engine.args import DEFAULT_MODEL  # noqa: E402
 from slotserve.lora import LoRARequest  # noqa: E402
 from slotserve.ray import build_app  # noqa: E402
+from slotserve.ray.relay import ROUTER_LOAD  # noqa: E402
 from slotserve.ray.server import REPLICA_HEADER  # noqa: E402
 from tests.lora.conftest import write_adapters  # noqa: E402
 
@@ -215,15 +217,26 @@ def test_a_session_stays_on_one_replica(cluster: Cluster) -> None:
     assert refused.value.response.status_code == 403
 
 
-def complete_on_each(cluster: Cluster, model: str) -> dict[str, str]:
-    """Cold prompts until both replicas of `a` answered: replica -> text."""
+def router_loads(cluster: Cluster) -> dict[str, float]:
+    """The ingress router's in-flight count per replica of `a`, from /metrics."""
+    text = httpx.get(cluster.base_url + "/metrics", timeout=30,
+                     headers={"Authorization": f"Bearer {KEY}"}).text
+    return {s.labels["replica"]: s.value
+            for f in text_string_to_metric_families(text) if f.name == ROUTER_LOAD
+            for s in f.samples if s.labels["model"] == "a"}
+
+
+def complete_on_each(cluster: Cluster, model: str, word: str) -> dict[str, str]:
+    """Cold prompts (new for each `word`) until both replicas of `a` answered: replica ->
+    text."""
     texts: dict[str, str] = {}
-    for i in range(12):
-        replica, text = complete(cluster, f"{i} Adapters answer {i}. " * 3, model=model)
+    for i in range(16):
+        replica, text = complete(cluster, f"{i} {word} answer {i}. " * 3, model=model)
         texts.setdefault(replica, text)
         if len(texts) == 2:
             break
-    assert len(texts) == 2, texts
+    assert len(texts) == 2, (f"cold prompts all went to {texts}; router loads "
+                             f"{router_loads(cluster)}; {deployment_status('LLMServer:a')}")
     return texts
 
 
@@ -237,7 +250,7 @@ def test_adapters_and_admin_requests_reach_every_replica(cluster: Cluster) -> No
     loaded = cluster.post("/v1/load_lora_adapter", ADMIN, json=body)
     assert loaded.status_code == 200, loaded.text
     assert len(loaded.headers[REPLICA_HEADER].split(",")) == 2  # both replicas loaded it
-    complete_on_each(cluster, "adapter3")  # either replica serves it
+    complete_on_each(cluster, "adapter3", "Adapters")  # either replica serves it
     assert any(m.id == "adapter3" for m in cluster.client().models.list().data)
     again = cluster.post("/v1/load_lora_adapter", ADMIN, json=body)
     assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
@@ -262,6 +275,11 @@ def test_metrics_carry_each_replica(cluster: Cluster) -> None:
         return all(f'replica="{r}"' in text for r in ids) and 'model="b"' in text
 
     eventually(labelled, 30, f"/metrics labelled with replicas {ids}")
+    # Every request is done: the router's load term is back to zero on each replica (a
+    # count Ray never closed would steer cold requests away from that replica).
+    eventually(lambda: set(router_loads(cluster).values()) == {0}, 10,
+               "the router's in-flight counts return to 0", lambda: str(router_loads(cluster)))
+    assert len(router_loads(cluster)) == 2
 
 
 def test_killed_replicas_are_replaced_and_service_goes_on(cluster: Cluster) -> None:
@@ -306,7 +324,7 @@ def test_killed_replicas_are_replaced_and_service_goes_on(cluster: Cluster) -> N
     eventually(a_replaced, 60, "a new replica of a answers",
                lambda: f"{explain_a()}; answered by {sorted(answered)}")
     # The adapter loaded at run time was replayed onto the new replica.
-    assert a_first not in complete_on_each(cluster, "adapter3")
+    assert a_first not in complete_on_each(cluster, "adapter3", "Replayed")
 
 
 def test_stop_leaves_no_ray_process(cluster: Cluster) -> None:
