@@ -5,6 +5,10 @@
 # committed here).
 #
 #   bash benchmarks/setup_llamacpp.sh [--dir DIR]     # default: $LLAMACPP_DIR or ~/llamacpp
+#   bash benchmarks/setup_llamacpp.sh --avx2          # AVX2-only code into DIR/build-avx2
+#
+# --avx2 builds what a user on an AVX2-only CPU runs (x86-64-v3: AVX2, FMA, F16C, BMI2; no
+# AVX-512, no VNNI), the baseline of `vs_llamacpp.py --cpu-level v3`.
 #
 # Needs: python3 with pip (to download the sdist), cmake >= 3.14, a C and C++ compiler. Takes
 # about 10-15 minutes on 2 cores (one compile job, so a shared machine stays usable). Running
@@ -13,11 +17,13 @@
 set -euo pipefail
 
 VERSION=0.3.36
+AVX2=0
 DIR="${LLAMACPP_DIR:-$HOME/llamacpp}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dir) DIR="$2"; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        --avx2) AVX2=1; shift ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -56,6 +62,7 @@ C
 SDIST="$DIR/llama_cpp_python-$VERSION.tar.gz"
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BUILD="$DIR/build"
+[ "$AVX2" = 1 ] && BUILD="$DIR/build-avx2"
 
 if [ ! -f "$SDIST" ]; then
     echo "downloading the llama-cpp-python $VERSION sdist into $DIR"
@@ -80,14 +87,18 @@ if grep -qw amx_int8 /proc/cpuinfo && ! amx_usable; then
         grep -qw "${f%%:*}" /proc/cpuinfo && ISA_FLAGS+=("-DGGML_${f##*:}=ON")
     done
 fi
+if [ "$AVX2" = 1 ]; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_BMI2=ON)
+fi
 if [ ! -f "$BUILD/CMakeCache.txt" ] || ! grep -q "GGML_NATIVE:BOOL=${ISA_FLAGS[0]##*=}" \
         "$BUILD/CMakeCache.txt"; then
     cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
-        -DLLAMA_BUILD_SERVER=ON -DGGML_OPENMP=OFF > "$DIR/cmake.log"
+        -DLLAMA_BUILD_SERVER=ON -DGGML_OPENMP=OFF > "$BUILD.cmake.log"
 fi
-echo "building llama-server and llama-batched-bench (log: $DIR/build.log)"
-cmake --build "$BUILD" -j1 --target llama-server llama-batched-bench > "$DIR/build.log"
+echo "building llama-server and llama-batched-bench (log: $BUILD.build.log)"
+cmake --build "$BUILD" -j1 --target llama-server llama-batched-bench > "$BUILD.build.log"
 
 "$BUILD/bin/llama-server" --version 2>&1 | tail -n 2
 echo "llama-server: $BUILD/bin/llama-server"

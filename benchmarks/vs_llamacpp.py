@@ -15,13 +15,15 @@ decode step reads (every tensor of the file once; the tied embedding once, as th
 projection) over the single-core read bandwidth measured in the same run (a large-buffer sum,
 best of 5), and each server's TPOT at concurrency 1 over that floor. `--cpu-level v3` runs
 slotserve's kernels built for that level (SLOTSERVE_CPU_LEVEL, e.g. the AVX2 code on an
-AVX-512 machine). `--offline` adds a row per concurrency without HTTP: slotserve's
+AVX-512 machine) against llama.cpp built for AVX2 alone (`setup_llamacpp.sh --avx2`), as a user
+on an AVX2-only CPU would run both. `--offline` adds a row per concurrency without HTTP: slotserve's
 `LLM.generate` against `llama-batched-bench` (the concurrency as its parallel sequences, the
 same prompt and output lengths). `--json PATH` writes
 `{"rows": [{"concurrency", "slotserve_tok_s", "llamacpp_tok_s", "ratio", ...}],
 "rss_mb": {"slotserve", "llamacpp"}}` (rss_mb: the peak over all rows).
 
     bash benchmarks/setup_llamacpp.sh          # once: builds llama-server (about 15 min)
+    bash benchmarks/setup_llamacpp.sh --avx2   # once, for --cpu-level v3: the AVX2 build
     .venv/bin/python benchmarks/vs_llamacpp.py [--llama-server PATH] [--model PATH]
         [--concurrency 1,8,32] [--rounds 2] [--requests-per-slot 2] [--threads 1]
         [--quantization auto|exact|none] [--cpu-level v3] [--offline] [--json out.json]
@@ -258,7 +260,9 @@ def print_floor(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[st
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--llama-server", default=str(LLAMACPP_DIR / "build/bin/llama-server"))
+    p.add_argument("--llama-server", default=None,
+                   help="default: DIR/build/bin/llama-server, or with --cpu-level v3 the AVX2 "
+                   "build, DIR/build-avx2/bin/llama-server (setup_llamacpp.sh --avx2)")
     p.add_argument("--model", default=None, help="GGUF file (default: the Gemma package's)")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--rounds", type=int, default=2)
@@ -277,9 +281,16 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     args.model = args.model or gemma_file()
+    # A user on an AVX2-only CPU runs llama.cpp's AVX2 code too: the v3 row races that build.
+    avx2 = args.cpu_level == "v3"
+    if args.llama_server is None:
+        args.llama_server = str(LLAMACPP_DIR / ("build-avx2" if avx2 else "build")
+                                / "bin/llama-server")
     if not Path(args.llama_server).is_file():
         raise SystemExit(f"no llama-server at {args.llama_server}: run "
-                         "benchmarks/setup_llamacpp.sh or pass --llama-server")
+                         f"benchmarks/setup_llamacpp.sh{' --avx2' if avx2 else ''} or pass "
+                         "--llama-server")
+    print(f"llama-server: {args.llama_server}", flush=True)
     vocab = int(json.loads(subprocess.run(
         [sys.executable, "-c", "import json; from slotserve.engine.loading import "
          f"load_model_config as f; print(f({args.model!r}).vocab_size)"],

@@ -103,7 +103,8 @@ class CacheConfig:
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # --kv-cache-dtype: how K/V rows are stored (models/kv_storage.py); auto: the model dtype.
+    # --kv-cache-dtype: how K/V rows are stored (models/kv_storage.py); auto: the model dtype
+    # (float16 for a GGUF file run in float32), resolved by the engine core at startup.
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -84,8 +84,8 @@ class EngineArgs:
         "dequantize every weight at load")
     # models/kv_storage.py: int8 is q8_0 blocks of one head's values (llama.cpp's q8_0 cache).
     kv_cache_dtype: KVCacheDtype = _arg(
-        "auto", "how the KV cache stores K/V: auto (the model dtype), float32, bfloat16, "
-        "float16, int8")
+        "auto", "how the KV cache stores K/V: auto (the model dtype; float16 for a GGUF "
+        "file run in float32, as llama.cpp), float32, bfloat16, float16, int8")
     # engine/kv_events.py: for KV-aware routers; None: off.
     kv_events_endpoint: str | None = _arg(None, "publish KV-cache events (vLLM's format) on a "
                                           "ZMQ PUB socket bound here, e.g. tcp://*:5557")

@@ -100,6 +100,7 @@ class EngineCore:
         # Where the core runs, so the utilities a plugin adds to EngineCore exist there too.
         for plugin in filter(None, (args.plugins or "").split(",")):
             importlib.import_module(plugin)
+        from slotserve.checkpoint import find_gguf
         from slotserve.models.kv_storage import resolve_kv_cache_dtype
         from slotserve.models.loader import load_model, parse_dtype
         from slotserve.worker.kv_cache import determine_num_blocks
@@ -114,13 +115,17 @@ class EngineCore:
         device = default_device() if args.device == "auto" else torch.device(args.device)
         model, model_config = load_model(path, dtype, device, max_positions=bound + 1,
                                          quantization=args.quantization)
-        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+        kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype,
+                                          gguf=find_gguf(path) is not None)
         num_blocks = determine_num_blocks(model_config, args.block_size, kv_dtype, device,
                                           args.num_blocks, args.kv_cache_memory,
                                           args.max_num_seqs, bound)
-        config = dataclasses.replace(
-            args.create_engine_config(model_config.max_position_embeddings, num_blocks),
-            dtype=str(dtype).removeprefix("torch."), device=str(device))
+        config = args.create_engine_config(model_config.max_position_embeddings, num_blocks)
+        # The runner allocates what was sized here: auto resolved once, for both.
+        cache_config = dataclasses.replace(config.cache_config,
+                                           cache_dtype=str(kv_dtype).removeprefix("torch."))
+        config = dataclasses.replace(config, cache_config=cache_config,
+                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
         runner = ModelRunner((model, model_config), config)
         overlap = args.grammar_bitmask_overlap
         if overlap is None:

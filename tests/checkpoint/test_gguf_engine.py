@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from slotserve import LLM, SamplingParams
@@ -58,6 +59,23 @@ def test_llm_generate_and_chat_like_the_folder(bundled_gguf: BundledGGUF,
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
     chat = llm.chat([{"role": "user", "content": "Speak, friend."}], GREEDY, use_tqdm=False)
     assert [chat[0].outputs[0].text] == folder_outputs[1]
+
+
+def test_a_gguf_file_caches_kv_in_16_bits_as_llamacpp(bundled_gguf: BundledGGUF) -> None:
+    """auto on a GGUF file run in float32 is float16 (llama.cpp's default cache type): the
+    same --kv-cache-memory holds twice the blocks of the float32 cache; a given dtype wins."""
+    budget = dict(ENGINE, num_blocks=None, kv_cache_memory=4 << 20)
+    runners = {}
+    for name in ("auto", "float32"):
+        llm = LLM(model=str(bundled_gguf()), kv_cache_dtype=name, **budget)
+        runners[name] = llm.llm_engine.engine_core.engine_core.model_runner
+    assert runners["auto"].kv_caches[0][0].dtype == torch.float16
+    assert runners["auto"].kv_cache_dtype == torch.float16
+    assert runners["float32"].kv_caches[0][0].dtype == torch.float32
+    assert runners["auto"].num_blocks >= 2 * runners["float32"].num_blocks - 1
+    folder = LLM(kv_cache_dtype="auto", **budget)  # the same model as a folder: its dtype
+    assert folder.llm_engine.engine_core.engine_core.model_runner.kv_caches[0][0].dtype == \
+        torch.float32
 
 
 def test_quantized_file_generates(bundled_gguf: BundledGGUF,
