@@ -78,18 +78,18 @@ fi
 # A CPU can list AMX in its flags while the kernel or hypervisor refuses its tile state (seen
 # here: llama.cpp's AMX kernels die with SIGILL). Then build for the same CPU without AMX:
 # GGML_NATIVE off, every other extension this CPU has switched on by name.
+# --avx2: a fixed AVX2-only set, whatever this CPU has (no probe needed).
 ISA_FLAGS=(-DGGML_NATIVE=ON)
-if grep -qw amx_int8 /proc/cpuinfo && ! amx_usable; then
+if [ "$AVX2" = 1 ]; then
+    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+               -DGGML_BMI2=ON)
+elif grep -qw amx_int8 /proc/cpuinfo && ! amx_usable; then
     echo "this CPU lists AMX but cannot run it: building llama.cpp without AMX"
     ISA_FLAGS=(-DGGML_NATIVE=OFF)
     for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
         grep -qw "${f%%:*}" /proc/cpuinfo && ISA_FLAGS+=("-DGGML_${f##*:}=ON")
     done
-fi
-if [ "$AVX2" = 1 ]; then
-    ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-               -DGGML_BMI2=ON)
 fi
 if [ ! -f "$BUILD/CMakeCache.txt" ] || ! grep -q "GGML_NATIVE:BOOL=${ISA_FLAGS[0]##*=}" \
         "$BUILD/CMakeCache.txt"; then
