@@ -55,6 +55,7 @@ from slotserve.models.native_build import (
     load_kernel,
 )
 from slotserve.models.native_qmatmul_plan import QMatmulPlan, kernel_error
+from slotserve.models.weight_arena import weight_buffer
 
 KERNEL = KernelSource(
     "qmatmul", CSRC / "qmatmul.c",
@@ -288,7 +289,9 @@ class QuantWeight:
         the same blocks; only the order of the float sums differs from the GGUF layout's."""
         if self.packed or not self.can_repack:
             return self
-        out = torch.empty_like(self.blocks)
+        # Streamed from DRAM every step: on huge pages (weight_arena.py).
+        out = weight_buffer(self.blocks.numel() * self.blocks.element_size()
+                            ).view(self.blocks.dtype).view(self.blocks.shape)
         rc = self.lib.repack(self.qtype, self.blocks.data_ptr(), self.n, self.k,
                              self.row_bytes, out.data_ptr(), out.numel())
         if rc != 0:
