@@ -132,8 +132,8 @@ class _Lib:
         self.isa: str = isa().decode()
         self.act_kind: dict[int, int] = {qtype: act_kind(qtype) for qtype in KERNEL_TYPES}
         # How far ahead, and from how many activation rows, the kernels prefetch (per CPU).
-        self.set_prefetch: Callable[[int, int], None] = dll.slotserve_set_prefetch
-        self.set_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self.set_prefetch: Callable[[int, int, int], None] = dll.slotserve_set_prefetch
+        self.set_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         self.set_prefetch.restype = None
         self.set_prefetch(*prefetch_policy())
         layout = dll.slotserve_qtype_layout
@@ -153,23 +153,31 @@ _PREFETCH_ENV = "SLOTSERVE_PREFETCH"
 # 46.6 with against 50.6 ms without at 32); the K-quants prefetch at any row count, and
 # elsewhere (Intel) every type does, as the kernels were tuned.
 _FEW_PREFETCH_VENDORS = frozenset({"AuthenticAMD", "HygonGenuine"})
+# On those, a packed Q4_K tile's weight bytes are asked for 16 KiB ahead into L2, not 4 KiB
+# into L1 (csrc/qmatmul.c: slotserve_set_prefetch says why; Gemma's 640 x 1024 Q4_K read cold
+# at one row: 25 -> 15 us on the AMD EPYC). Intel keeps what its kernels were tuned with.
+_Q4K_L2_BYTES = 16384
 
 
-def prefetch_policy() -> tuple[int, int]:
-    """(bytes ahead, from how many activation rows a light type's call does) the int8 kernels
-    prefetch streamed weights with on this CPU; `SLOTSERVE_PREFETCH=BYTES[,ROWS]` overrides it
-    (0: never; benchmarks compare them)."""
+def prefetch_policy() -> tuple[int, int, int]:
+    """(bytes ahead, from how many activation rows a light type's call does, bytes ahead a
+    packed Q4_K tile asks for into L2 instead, 0: as the others) the int8 kernels prefetch
+    streamed weights with on this CPU; `SLOTSERVE_PREFETCH=BYTES[,ROWS[,Q4K_L2_BYTES]]`
+    overrides it (0: never; benchmarks compare them)."""
     forced = os.environ.get(_PREFETCH_ENV)
     if forced:
         try:
             parts = [int(v) for v in forced.split(",")]
-            if len(parts) > 2 or min(parts) < 0:
+            if len(parts) > 3 or min(parts) < 0:
                 raise ValueError(forced)
         except ValueError:
-            raise ConfigError(f"{_PREFETCH_ENV}={forced!r}: expected BYTES or BYTES,ROWS "
-                              "(non-negative integers)") from None
-        return parts[0], parts[1] if len(parts) > 1 else 1
-    return (4096, 4) if cpu_vendor() in _FEW_PREFETCH_VENDORS else (4096, 1)
+            raise ConfigError(f"{_PREFETCH_ENV}={forced!r}: expected BYTES, BYTES,ROWS or "
+                              "BYTES,ROWS,Q4K_L2_BYTES (non-negative integers)") from None
+        return (parts[0], parts[1] if len(parts) > 1 else 1,
+                parts[2] if len(parts) > 2 else 0)
+    if cpu_vendor() in _FEW_PREFETCH_VENDORS:
+        return 4096, 4, _Q4K_L2_BYTES
+    return 4096, 1, 0
 
 
 # None: not tried yet; False: unavailable (already logged); else the loaded library.

@@ -6,7 +6,8 @@ changes when bytes are asked for, never a result:
   row counts on both sides of the row threshold: no prefetch, prefetch from one row and from
   four give the same bits;
 - the policy: on AMD a Q4_0 / Q5_0 / Q8_0 call prefetches from four rows (its hardware
-  prefetcher streams one or two rows faster alone), elsewhere from one; `SLOTSERVE_PREFETCH` overrides it, and a malformed
+  prefetcher streams one or two rows faster alone), elsewhere from one, and a packed Q4_K
+  tile asks for its bytes 16 KiB ahead into L2 (into L1 4 KiB ahead elsewhere); `SLOTSERVE_PREFETCH` overrides it, and a malformed
   value is a ConfigError naming the variable.
 """
 
@@ -22,7 +23,7 @@ from tests.checkpoint.gguf_convert import Q
 from tests.models.test_qmatmul_int8 import weight
 
 TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K]
-POLICIES = [(0, 1), (4096, 1), (4096, 4), (64, 2)]
+POLICIES = [(0, 1, 0), (4096, 1, 0), (4096, 4, 0), (64, 2, 0), (4096, 4, 16384), (0, 1, 64)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,14 +63,16 @@ def test_prefetch_changes_no_bit(level: native_build.CpuLevel, qtype: Q) -> None
 def test_policy_by_vendor_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLOTSERVE_PREFETCH", raising=False)
     monkeypatch.setattr(native_qmatmul, "cpu_vendor", lambda: "AuthenticAMD")
-    assert native_qmatmul.prefetch_policy() == (4096, 4)
+    assert native_qmatmul.prefetch_policy() == (4096, 4, 16384)
     monkeypatch.setattr(native_qmatmul, "cpu_vendor", lambda: "GenuineIntel")
-    assert native_qmatmul.prefetch_policy() == (4096, 1)
+    assert native_qmatmul.prefetch_policy() == (4096, 1, 0)
     monkeypatch.setenv("SLOTSERVE_PREFETCH", "0")
-    assert native_qmatmul.prefetch_policy() == (0, 1)
+    assert native_qmatmul.prefetch_policy() == (0, 1, 0)
     monkeypatch.setenv("SLOTSERVE_PREFETCH", "2048,8")
-    assert native_qmatmul.prefetch_policy() == (2048, 8)
-    for bad in ("-1", "a", "1,2,3", "4096,"):
+    assert native_qmatmul.prefetch_policy() == (2048, 8, 0)
+    monkeypatch.setenv("SLOTSERVE_PREFETCH", "4096,4,8192")
+    assert native_qmatmul.prefetch_policy() == (4096, 4, 8192)
+    for bad in ("-1", "a", "1,2,3,4", "4096,", "1,1,-1"):
         monkeypatch.setenv("SLOTSERVE_PREFETCH", bad)
         with pytest.raises(ConfigError, match="SLOTSERVE_PREFETCH"):
             native_qmatmul.prefetch_policy()

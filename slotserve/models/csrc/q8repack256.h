@@ -298,9 +298,7 @@ static inline RP_AI void rp_k_tile(const uint8_t* grp, int64_t nb, const uint8_t
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* rec = grp + b * rb;
-        if (pf)
-            for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
+        if (pf) Q8_K4_PREFETCH(rec, rb);
         __m256i isum[RP_MR], mn[8];
         for (int i = 0; i < mr; i++) isum[i] = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {  /* (mn_s, mn_s) per row, against bs[2s], bs[2s + 1] */

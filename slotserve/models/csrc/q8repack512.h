@@ -148,9 +148,7 @@ static inline __attribute__((always_inline)) void rp_k_tile(
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* rec = grp + b * rb;
-        if (pf)
-            for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
+        if (pf) Q8_K4_PREFETCH(rec, rb);
         __m512i isum[RP_K_MR], msum[RP_K_MR];
         for (int i = 0; i < mr; i++) isum[i] = msum[i] = _mm512_setzero_si512();
         for (int s = 0; s < 8; s++) {
