@@ -23,22 +23,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slotserve.models.native_qmatmul import (  # noqa: E402
+    KERNEL_TYPES,
     QuantWeight,
+    block_layout,
     prefetch_policy,
     qmatmul_available,
 )
 from slotserve.models.native_qmatmul_plan import QMatmulPlan  # noqa: E402
 
-# GGML type -> (values a block, bytes a block, offsets of its float16 scales).
-TYPES = {12: ("Q4_K", 256, 144, (0, 2)), 14: ("Q6_K", 256, 210, (208,)),
-         6: ("Q5_0", 32, 22, (0,))}
+# GGML type -> byte offsets of its float16 scales in a block (the block's size and values
+# come from the kernel: block_layout).
+F16_SCALES = {12: (0, 2), 14: (208,), 6: (0,)}
 SHAPES = [(12, 640, 1024), (12, 640, 2048), (14, 640, 2048), (6, 4096, 640)]
 
 
 def make(rng: np.random.Generator, qtype: int, n: int, k: int) -> QMatmulPlan:
-    _, block, size, f16 = TYPES[qtype]
+    block, size = block_layout(qtype)
     b = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for o in f16:  # 2^-7: finite scales
+    for o in F16_SCALES[qtype]:  # 2^-7: finite scales
         b[:, :, o], b[:, :, o + 1] = 0x00, 0x20
     w = QuantWeight(torch.from_numpy(b.reshape(n, -1).copy()), qtype, k).repacked()
     return QMatmulPlan([(w, 0)], n)
@@ -56,11 +58,11 @@ def main() -> int:
     print(f"prefetch policy {prefetch_policy()}, {args.rows} row(s)")
     rng = np.random.default_rng(0)
     for qtype, n, k in SHAPES:
-        name, block, size, _ = TYPES[qtype]
+        block, size = block_layout(qtype)
         nbytes = n * k // block * size
         plans = [make(rng, qtype, n, k) for _ in range(max(8, int(args.mib * 2**20 // nbytes)))]
         x, y = torch.randn(args.rows, k), torch.empty(args.rows, n)
-        line = f"{name} {n:5d} x {k:5d}"
+        line = f"{KERNEL_TYPES[qtype]} {n:5d} x {k:5d}"
         for mode in ("hot", "cold"):
             best = float("inf")
             for _ in range(5):
