@@ -41,6 +41,7 @@ from slotserve.engine.messages import (
 from slotserve.errors import EngineDeadError
 from slotserve.gc_freeze import freeze_long_lived, thaw
 from slotserve.gil_switch import shorten_switch_interval
+from slotserve.memory import page_out_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,9 @@ def run_engine_core_process(conn: Connection, args: EngineArgs, threads: int | N
         conn.send(portable(exc))
         return
     conn.send(core.config)
+    # Startup is over: the library code only importing and loading ran need not stay
+    # resident in this process (memory.page_out_libraries).
+    page_out_libraries()
     outbox: queue.SimpleQueue[LoopMessage | None] = queue.SimpleQueue()
     loop = EngineCoreLoop(core, outbox.put)
 

@@ -19,6 +19,7 @@ from slotserve.entrypoints import bench_serve
 from slotserve.entrypoints.openai.limits import ServerLimits
 from slotserve.entrypoints.openai.stream_interval import check_stream_interval
 from slotserve.gil_switch import shorten_switch_interval
+from slotserve.memory import page_out_libraries
 
 DEFAULT_PROMPT = "To be, or not"
 DEFAULT_MODEL_NAME = "slotserve-default"
@@ -294,6 +295,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = uvicorn_config(app, limits, host=args.host, port=args.port,
                             log_level=args.log_level)
     log_limits.install()
+    # The app is built: what only startup ran of the libraries need not stay resident.
+    page_out_libraries()
     try:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:
