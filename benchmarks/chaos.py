@@ -102,6 +102,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
     ok = [r for r in results if r["error"] is None and r["events"]]
     ttft = [r["events"][0] - r["start"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["events"], r["events"][1:], strict=False)]
+    t0 = min((r["start"] for r in results), default=0.0)
+    slowest = sorted(((round(r["start"] - t0, 2), round(1000 * (r["events"][0] - r["start"]), 1))
+                      for r in ok), key=lambda x: -x[1])[:5]
     errors: dict[str, int] = {}
     for r in results:
         if r["error"] is not None:
@@ -113,6 +116,9 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
         "itl_median_ms": 1000 * float(np.median(itl)) if itl else float("nan"),
         "itl_p99_ms": 1000 * float(np.percentile(itl, 99)) if itl else float("nan"),
         "errors": errors,  # type: ignore[dict-item]
+        # The five slowest first tokens: (seconds into the phase when sent, TTFT ms), to tell
+        # a tail spread over the run from one stall (the hostile clients' start, a compile).
+        "slowest_ttft": slowest,  # type: ignore[dict-item]
     }
 
 
@@ -234,6 +240,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  requests           {c['requests']:9d} {x['requests']:10d}")
     if c["errors"] or x["errors"]:
         print(f"  errors: clean {c['errors']}, chaos {x['errors']}")
+    print(f"  slowest TTFT (s into the run, ms): clean {c['slowest_ttft']}, "
+          f"chaos {x['slowest_ttft']}")
     print("end state (after the hostile clients left): " + ", ".join(
         f"{k} {v:g}" for k, v in r["end_state"].items()))
     print("peak during chaos: " + ", ".join(
