@@ -96,15 +96,17 @@ def _library_mappings() -> list[tuple[int, int]]:
         return []
 
 
-def library_resident_bytes(pid: int | None = None) -> int:
-    """Resident bytes of a process's read-only shared-object mappings (/proc/PID/smaps)."""
+def library_resident_bytes(pid: int | None = None, name: str | None = None) -> int:
+    """Resident bytes of a process's read-only shared-object mappings (/proc/PID/smaps); of
+    the library file `name` (e.g. "libtorch_cpu.so") alone when given."""
     total, counting = 0, False
     try:
         with open(f"/proc/{pid or 'self'}/smaps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
                 if "-" in fields[0]:  # a mapping's header: "start-end perms offset dev inode [path]"
-                    counting = _library_span(fields) is not None
+                    counting = _library_span(fields) is not None and (
+                        name is None or fields[5].rstrip().endswith("/" + name))
                 elif counting and fields[0] == "Rss:":
                     total += int(fields[1]) * 1024
     except (OSError, ValueError, IndexError):

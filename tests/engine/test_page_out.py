@@ -82,25 +82,14 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def _mapped_rss(pid: int, library: str) -> int:
-    total, counting = 0, False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0]:
-            counting = fields[-1].endswith(library)
-        elif counting and fields[0] == "Rss:":
-            total += int(fields[1]) * 1024
-    return total
-
-
 @pytest.mark.skipif(not _supported(), reason="MADV_PAGEOUT needs Linux 5.4+")
 def test_served_engine_core_keeps_little_of_libtorch() -> None:
     with serve_process("--max-num-seqs", "2") as (proc, base):
         r = httpx.post(f"{base}/v1/completions", timeout=60,
                        json={"prompt": "To be, or not", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
-        cores = [c for c in _children(proc.pid) if _mapped_rss(c, "libtorch_cpu.so") > 0]
+        cores = [c for c in _children(proc.pid) if library_resident_bytes(c, "libtorch_cpu.so") > 0]
         assert len(cores) == 1, "one engine core child with torch"
         # Without the page-out, importing torch alone leaves 70-125 MB of it resident.
-        assert _mapped_rss(cores[0], "libtorch_cpu.so") < 40 * MIB
-        assert _mapped_rss(proc.pid, "libtorch_cpu.so") == 0  # the front has no torch
+        assert library_resident_bytes(cores[0], "libtorch_cpu.so") < 40 * MIB
+        assert library_resident_bytes(proc.pid, "libtorch_cpu.so") == 0  # the front has no torch
