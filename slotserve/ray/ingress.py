@@ -85,19 +85,28 @@ class OpenAIIngress:
                                             bytes]]] = {}
         self.synced: dict[str, set[str]] = {}
         self.sync_lock = asyncio.Lock()
+        # A burst of first requests would otherwise load the tokenizer once each, at once on
+        # several threads, where transformers' lazy import is not thread safe (measured: 500s
+        # with "module 'transformers' has no attribute 'PreTrainedTokenizerFast'").
+        self.engine_lock = asyncio.Lock()
         # What the ingress answers itself carries its own replica id.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def _engine(self, model: str) -> tuple[dict[str, Any], Processor]:
         """The model's engine facts (from a replica) and a front processor, made once."""
         if model not in self.processors:
-            info = await self.models[model].engine_info.remote()
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.model_paths[model])
-            self.adapters[model] = await self.models[model].adapters.remote()
-            self.info[model] = info
-            self.processors[model] = Processor(tokenizer, info["max_model_len"],
-                                               info["vocab_size"], info["eos_token_ids"])
+            async with self.engine_lock:
+                if model not in self.processors:
+                    await self._make_engine(model)
         return self.info[model], self.processors[model]
+
+    async def _make_engine(self, model: str) -> None:
+        info = await self.models[model].engine_info.remote()
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.model_paths[model])
+        self.adapters[model] = await self.models[model].adapters.remote()
+        self.info[model] = info
+        self.processors[model] = Processor(tokenizer, info["max_model_len"],
+                                           info["vocab_size"], info["eos_token_ids"])
 
     async def _resolve(self, name: str | None) -> tuple[str, int | None]:
         """The model (deployment) a request's `model` names and its adapter's id."""

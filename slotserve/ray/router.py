@@ -23,7 +23,7 @@ from ray.serve.request_router import (
 )
 
 from slotserve.ray.state import avoided, model_reports, router_loads, set_live_replicas
-from slotserve.routing.policy import PolicyConfig, RouterPolicy, RoutingPolicy
+from slotserve.routing.policy import PolicyConfig, Reservations, RouterPolicy, RoutingPolicy
 
 # A replica that reports an empty queue and was sent nothing for this long holds none of this
 # router's requests: a count above zero then is a completion Ray never reported, and left
@@ -55,6 +55,8 @@ class PrefixAwareRouter(RequestRouter):
         # The router's in-flight requests per replica (its load term), shared with the
         # ingress's /metrics.
         self._inflight: dict[str, int] = router_loads(model)
+        # Decisions Ray has not confirmed yet (Reservations says why they count as load).
+        self._reserved = Reservations()
         self._last_routed: dict[str, float] = {}
         self._seen_stats: dict[str, int] = {}
         set_live_replicas(model, getattr(self, "_live", []))
@@ -97,14 +99,20 @@ class PrefixAwareRouter(RequestRouter):
         healthy = [rid for rid in by_id if rid not in avoid]
         if healthy:  # with none left, the request waits on one of them rather than fail here
             by_id = {rid: by_id[rid] for rid in healthy}
-        loads = {rid: self._inflight.get(rid, 0) for rid in by_id}
+        now = time.monotonic()
+        self._reserved.expire(now)
+        loads = {rid: self._inflight.get(rid, 0) + self._reserved.count(rid) for rid in by_id}
         ranking = self._policy.rank(_hashes_of(pending_request), list(by_id), loads)
+        if ranking:
+            self._reserved.reserve(ranking[0], now)
         return [[by_id[rid]] for rid in ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
         now = time.monotonic()
+        if not isinstance(_route_of(pending_request), str):  # pinned ones reserved nothing
+            self._reserved.settle(rid, now)
         self._policy.routed(rid, _hashes_of(pending_request), now)
         self._last_routed[rid] = now
         self._inflight[rid] = self._inflight.get(rid, 0) + 1

@@ -15,6 +15,7 @@ from slotserve.lora.request import LoRARequest
 from slotserve.routing.policy import (
     PolicyConfig,
     PrefixIndex,
+    Reservations,
     RoutingPolicy,
     rank_replicas,
     request_block_hashes,
@@ -155,3 +156,35 @@ def test_index_is_bounded_and_forgets_gone_replicas() -> None:
     index.learn("b", [b"x"], now=0.0)
     index.retain(["b"])
     assert set(index.replicas) == {"b"}
+
+
+def test_reservations_settle_on_their_replica_and_lapse() -> None:
+    r = Reservations(ttl_s=2.0)
+    r.reserve("a", 0.0)
+    r.reserve("a", 0.5)
+    r.reserve("b", 1.0)
+    r.settle("b", 1.1)
+    assert (r.count("a"), r.count("b"), len(r)) == (2, 0, 2)
+    r.settle("c", 1.2)  # confirmed where nothing was reserved: a later choice; oldest goes
+    assert (r.count("a"), len(r)) == (1, 1)
+    r.expire(2.6)  # the one reserved at 0.5 was never confirmed
+    assert (r.count("a"), len(r)) == (0, 0)
+    r.settle("a", 3.0)  # nothing left: nothing goes negative
+    assert r.count("a") == 0
+
+
+def test_a_burst_of_cold_requests_does_not_herd() -> None:
+    # 64 cold requests ranked before any is confirmed, with the confirmed loads a step
+    # behind (b looked one request lighter): without reservations every one goes to b.
+    confirmed = {"a": 1, "b": 0}
+    herd = RoutingPolicy("prefix", seed=0)
+    assert {herd.rank(request_block_hashes(tokens(i), 16), ["a", "b"], confirmed)[0]
+            for i in range(64)} == {"b"}
+    policy, reserved = RoutingPolicy("prefix", seed=0), Reservations()
+    homes: Counter[str] = Counter()
+    for i in range(64):
+        loads = {rid: n + reserved.count(rid) for rid, n in confirmed.items()}
+        top = policy.rank(request_block_hashes(tokens(i), 16), ["a", "b"], loads)[0]
+        reserved.reserve(top, 0.0)
+        homes[top] += 1
+    assert homes == {"a": 32, "b": 32} or homes == {"a": 31, "b": 33}
