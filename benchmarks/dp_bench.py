@@ -3,12 +3,20 @@ and x 2 threads, and the prefix router against pow2 on a shared-prefix workload.
 
     python benchmarks/dp_bench.py --part throughput     # about 3 minutes (needs idle cores)
     python benchmarks/dp_bench.py --part prefix --json dp.json   # about 6 minutes
+    python benchmarks/dp_bench.py --part ceiling        # about 1 minute on Gemma
 
 Part `throughput`: the same seeded random token-id prompts (--num-prompts, --input-len,
 --output-len, ignore_eos) all sent at once (unbounded rate; the servers' admission bounds are
 raised so none is refused) to `slotserve serve --threads 1`, `--threads 2` and
 `--data-parallel-size 2 --threads 1`; output tokens per second and their ratios, each against
-its target (dp2 >= 1.7x threads 1, and above threads 2).
+its target (dp2 >= 1.7x threads 1, and above threads 2). Each server's CPU seconds per
+process are printed, and per replica the tokens it generated and how long its engine loop was
+busy (wall and CPU: a loop busier in wall than in CPU waited for a core).
+
+Part `ceiling`: the same requests on two offline engines started together (half each, one
+process and one thread each) against one offline engine with all of them: no HTTP, no Ray,
+no front, so what the cores give to two engines at once; the served ratio's gap below it is
+what serving the requests costs.
 
 Part `prefix`: the trace of benchmarks/fleet_sim.py (the same function, the same seed: 8
 system prompts of 600 tokens, a user part each, Poisson arrivals at 2/s) on
@@ -18,7 +26,9 @@ thread) and to 2 replicas under `--router prefix` and `--router pow2`; prefix-ca
 prefix's hit rate >= 0.9x one replica's, TTFT median <= 0.7x pow2's); then the fleet
 simulator's prediction for each setup (the same trace, `fleet_sim.simulate`) beside the
 measured TTFT p50, throughput and engine-side TTFT mean, with the deviation (the validation
-target: within 15%). Each server is calibrated by idle probes before and after the trace
+target: within 15%), and the engines' own counters beside the simulator's: steps, busy
+seconds (wall and CPU), the engine-side TTFT median (from the histogram) and the serving path
+under load (client TTFT mean minus the engine-side mean). Each server is calibrated by idle probes before and after the trace
 (`calibrate`: its serving path's latency, constant and per prompt token, and how fast its
 steps run now against the fit), which the simulator takes. `--refit` fits the step-time model first; `--setups` runs some setups only.
 """
@@ -144,6 +154,7 @@ def run(url: str, requests: list[client.BenchRequest], at: list[float]) -> dict[
     return {"ok": len(ok) == len(results), "failed": len(results) - len(ok),
             "throughput": sum(r.output_tokens for r in ok) / duration,
             "ttft_p50_ms": 1000 * statistics.median([r.ttft for r in ok]) if ok else 0.0,
+            "ttft_mean_ms": 1000 * statistics.fmean([r.ttft for r in ok]) if ok else 0.0,
             "errors": [r.error for r in results if not r.ok][:3]}
 
 
@@ -157,9 +168,45 @@ def server_counters(url: str) -> dict[str, float]:
         return sum(float(v) for v in re.findall(
             rf"^slotserve:{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
-    return {k: total(k) for k in ("prefix_cache_hits", "prefix_cache_queries",
+    buckets: dict[str, float] = {}
+    for le, v in re.findall(r'^slotserve:time_to_first_token_seconds_bucket{[^}]*le="([^"]+)"'
+                            r'[^}]*} ([0-9.e+]+)$', text, re.M):
+        buckets[f"ttft_le_{le}"] = buckets.get(f"ttft_le_{le}", 0.0) + float(v)
+    return buckets | {k: total(k) for k in ("prefix_cache_hits", "prefix_cache_queries",
                                   "time_to_first_token_seconds_sum",
-                                  "time_to_first_token_seconds_count")}
+                                  "time_to_first_token_seconds_count", "engine_loop_steps",
+                                  "engine_loop_busy_seconds", "engine_loop_busy_cpu_seconds")}
+
+
+PER_REPLICA = ("generation_tokens", "engine_loop_busy_seconds", "engine_loop_busy_cpu_seconds")
+
+
+def per_replica(url: str) -> dict[str, dict[str, float]]:
+    """Per replica (its `replica` label; one process: "-"): tokens generated and the engine
+    loop's busy wall and CPU seconds so far, as the ingress's /metrics merges them (each
+    replica's report is at most a second old)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for name, labels, value in re.findall(
+            r"^slotserve:(\w+?)(?:_total)?(?:{([^}]*)})? ([0-9.e+]+)$", text, re.M):
+        if name in PER_REPLICA:
+            rid = (re.findall(r'replica="([^"]+)"', labels or "") or ["-"])[0]
+            out.setdefault(rid, {}).setdefault(name, 0.0)
+            out[rid][name] += float(value)
+    return out
+
+
+def replica_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+                  wall: float) -> dict[str, dict[str, float]]:
+    """What each replica did between two readings, printed: whether the work was split
+    evenly and how much of the run each engine loop was busy."""
+    split = {rid: {k: v - before.get(rid, {}).get(k, 0.0) for k, v in vals.items()}
+             for rid, vals in after.items()}
+    for rid, d in sorted(split.items()):
+        print(f"      replica {rid[-8:]:>8}: {d.get('generation_tokens', 0):6.0f} tokens, engine "
+              f"loop busy {d.get('engine_loop_busy_seconds', 0):5.1f} s of {wall:.1f} "
+              f"({d.get('engine_loop_busy_cpu_seconds', 0):5.1f} CPU s)", flush=True)
+    return split
 
 
 def counted(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -167,7 +214,24 @@ def counted(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     d = {k: after[k] - before[k] for k in after}
     return {"hit_rate": d["prefix_cache_hits"] / max(1.0, d["prefix_cache_queries"]),
             "engine_ttft_mean_ms": 1000 * d["time_to_first_token_seconds_sum"]
-            / max(1.0, d["time_to_first_token_seconds_count"])}
+            / max(1.0, d["time_to_first_token_seconds_count"]),
+            "engine_ttft_p50_ms": 1000 * histogram_median(d),
+            "steps": d["engine_loop_steps"], "busy_s": d["engine_loop_busy_seconds"],
+            "busy_cpu_s": d["engine_loop_busy_cpu_seconds"]}
+
+
+def histogram_median(d: dict[str, float]) -> float:
+    """The engine-side TTFT median from the histogram's bucket counts (linear within the
+    bucket that holds it)."""
+    cum = sorted((float(k[len("ttft_le_"):]), v) for k, v in d.items()
+                 if k.startswith("ttft_le_") and k != "ttft_le_+Inf")
+    half = d.get("ttft_le_+Inf", 0.0) / 2
+    lo_le, lo_n = 0.0, 0.0
+    for le, n in cum:
+        if n >= half > 0:
+            return lo_le + (le - lo_le) * (half - lo_n) / max(n - lo_n, 1e-9)
+        lo_le, lo_n = le, n
+    return float("nan")
 
 
 def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
@@ -187,14 +251,19 @@ def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
             continue
         with server(flags, logs / f"{name.replace(' ', '_')}.log") as url:
             run(url, reqs[:8], [0.0] * 8)  # warm-up
+            time.sleep(2.5)  # the replicas' next reports carry the warm-up
+            split0 = per_replica(url)
             cpu0, me0, t0 = process_cpu(SERVER_PIDS[url]), time.process_time(), time.time()
             r = out[name] = run(url, reqs, [0.0] * len(reqs))
             wall = time.time() - t0
             cpu1, me1 = process_cpu(SERVER_PIDS[url]), time.process_time()
+            time.sleep(2.5)
+            split1 = per_replica(url)
         print(f"{name:<24} {r['throughput']:8.1f} output tok/s  ({r['failed']} failed; "
               f"load average {os.getloadavg()[0]:.1f}; the load generator {me1 - me0:.1f} "
               "CPU s)", flush=True)
         r["cpu_s"] = cpu_table(cpu0, cpu1, wall)
+        r["replicas"] = replica_split(split0, split1, wall)
     if "1 process x 1 thread" not in out or "1 process x 2 threads" not in out:
         return out
     base = out["1 process x 1 thread"]["throughput"]
@@ -204,6 +273,70 @@ def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         verdict(f"{name} / 1 process x 1 thread", dp2 / base, ">=", 1.7)
         verdict(f"{name} / 1 process x 2 threads", dp2 / two, ">", 1.0)
     return out
+
+
+# One offline engine (1 torch thread) in a process of its own: builds, warms up, says it is
+# ready, waits for the go file, runs its requests, prints its tokens and wall seconds.
+_OFFLINE_ENGINE = """
+import json, os, sys, time
+import torch
+torch.set_num_threads(1)
+from slotserve.entrypoints.llm import LLM
+from slotserve.sampling_params import SamplingParams
+spec = json.loads(sys.argv[1])
+llm = LLM(spec["model"], max_model_len=1024, max_num_seqs=32, num_blocks=1024)
+prompts = [{"prompt_token_ids": ids} for ids, _ in spec["requests"]]
+params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+          for _, n in spec["requests"]]
+llm.generate(prompts[:4], params[:4], use_tqdm=False)
+open(spec["ready"], "w").close()
+while not os.path.exists(spec["go"]):
+    time.sleep(0.005)
+t = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+print(json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                  "wall": time.perf_counter() - t}))
+"""
+
+
+def offline_engines(model: str | None, groups: list[list[client.BenchRequest]],
+                    tmp: Path) -> float:
+    """Output tokens per second of len(groups) offline engines started together, one
+    process and one thread each, group i's requests all at once in engine i: no HTTP, no
+    Ray, no front, so what the cores themselves give."""
+    go = tmp / "offline.go"
+    go.unlink(missing_ok=True)
+    procs, ready = [], []
+    for i, group in enumerate(groups):
+        ready.append(tmp / f"offline.ready{i}")
+        ready[-1].unlink(missing_ok=True)
+        spec = {"model": model, "ready": str(ready[-1]), "go": str(go),
+                "requests": [[r.prompt_token_ids, r.output_len] for r in group]}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _OFFLINE_ENGINE, json.dumps(spec)], stdout=subprocess.PIPE,
+            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    while not all(p.exists() for p in ready):
+        if any(proc.poll() is not None for proc in procs):
+            raise RuntimeError("an offline engine exited before it was ready")
+        time.sleep(0.05)
+    go.touch()
+    results = [json.loads(proc.communicate()[0].strip().splitlines()[-1]) for proc in procs]
+    return sum(r["tokens"] for r in results) / max(r["wall"] for r in results)
+
+
+def part_ceiling(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    """The throughput part's requests on two offline engines (half each, started together)
+    against one offline engine with all of them: what 2 replicas could give on these cores
+    if serving them cost nothing. The served ratio's gap below it is the serving path's."""
+    vocab = client.model_vocab_size(args.model)
+    reqs = client.make_dataset(args.num_prompts, args.input_len, args.output_len, 0.5, vocab,
+                               args.seed)
+    one = offline_engines(args.model, [reqs], logs)
+    two = offline_engines(args.model, [reqs[0::2], reqs[1::2]], logs)
+    print(f"offline, 1 engine x 1 thread      {one:8.1f} output tok/s", flush=True)
+    print(f"offline, 2 engines x 1 thread     {two:8.1f} output tok/s  (x{two / one:.2f}: the "
+          "ceiling of 2 replicas on these cores, serving aside)", flush=True)
+    return {"one_engine": one, "two_engines": two, "ratio": two / one}
 
 
 def verdict(what: str, ratio: float, op: str, target: float) -> bool:
@@ -321,12 +454,27 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
               f"{dt:+6.0%}   {r['throughput']:14.1f} {sim['throughput']:9.1f} {dq:+6.0%}   "
               f"{r['engine_ttft_mean_ms']:9.0f}/{sim['engine_ttft_mean'] * 1e3:.0f} ms"
               f"{'':>13}{r['hit_rate']:.3f}/{sim['hit_rate']:.3f}  {ok}", flush=True)
+    # Where an engine-side gap comes from: the engines' own step counters against the
+    # simulator's. Busy wall over busy CPU above 1 means the engine thread waited for a core
+    # (other processes ran); busy CPU above the simulated means the steps themselves cost
+    # more than the scaled model says.
+    print("  the engines during the trace (measured / simulated): steps, busy wall s, busy "
+          "CPU s / simulated s, engine-side TTFT p50 (histogram) / simulated, client TTFT "
+          "mean - engine-side mean (the serving path under load)")
+    for name, r in out.items():
+        sim = r["sim"]
+        print(f"  {name:<20} {r['steps']:6.0f} / {sim['steps']:<6}  {r['busy_s']:6.2f}  "
+              f"{r['busy_cpu_s']:6.2f} / {sim['busy_s']:6.2f}   {r['engine_ttft_p50_ms']:5.1f} / "
+              f"{sim['engine_ttft_p50'] * 1e3:5.1f} ms   "
+              f"{r['ttft_mean_ms'] - r['engine_ttft_mean_ms']:5.1f} ms", flush=True)
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--part", choices=("throughput", "prefix", "both"), default="both")
+    p.add_argument("--part", choices=("throughput", "prefix", "both", "ceiling"),
+                   default="both", help="ceiling: the throughput part's requests on two "
+                   "offline engines against one (no HTTP, no Ray): what the cores allow")
     p.add_argument("--model", default=None,
                    help="model for every server (default: the bundled one). On the bundled model "
                    "the serving path, not the engine, bounds throughput; a real model such as "
@@ -366,6 +514,8 @@ def main() -> int:
     if args.refit:  # the simulator's step-time model, measured on this machine now
         FIT_PATH.parent.mkdir(parents=True, exist_ok=True)
         FIT_PATH.write_text(json.dumps({"coef": fit(args.fit_seconds)}))
+    if args.part == "ceiling":
+        results["ceiling"] = part_ceiling(args, logs)
     if args.part in ("throughput", "both"):
         results["throughput"] = part_throughput(args, logs)
     if args.part in ("prefix", "both"):

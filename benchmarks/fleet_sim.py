@@ -173,6 +173,8 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
     last: dict[str, float] = {}
     ntok: dict[str, int] = {}
     next_report = 0.0
+    busy = 0.0  # the replicas' simulated step seconds, summed (dp_bench compares the real)
+    steps = 0
     params = SamplingParams(max_tokens=args.out_len, temperature=0, ignore_eos=True)
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -201,6 +203,8 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
         so = sim.sched.schedule(now=now)
         dt = step_time(coef, step_shape(so, sim.sched)) if so.total_num_scheduled_tokens else 0
         outputs = sim.sched.update_from_output(so, fake_execute(so, sim.sched), now + dt)
+        busy += dt
+        steps += 1 if dt else 0
         for o in outputs:
             if o.new_token_ids:
                 first.setdefault(o.request_id, now + dt)
@@ -226,7 +230,8 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
             / max(1, sum(s.prefix_cache_queries for s in stats)),
             "ttft_p50": float(np.median(ttft)), "engine_ttft_mean": float(engine_ttft.mean()), "ttft_p99": float(np.percentile(ttft, 99)),
             "tpot_p50": float(np.median(tpot)), "tpot_p99": float(np.percentile(tpot, 99)),
-            "throughput": sum(ntok.values()) / span, "finished": len(first)}
+            "throughput": sum(ntok.values()) / span, "finished": len(first),
+            "busy_s": busy, "steps": steps, "engine_ttft_p50": float(np.median(engine_ttft))}
 
 
 def main() -> int:
