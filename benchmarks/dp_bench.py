@@ -174,7 +174,9 @@ def server_counters(url: str) -> dict[str, float]:
         buckets[f"ttft_le_{le}"] = buckets.get(f"ttft_le_{le}", 0.0) + float(v)
     return buckets | {k: total(k) for k in ("prefix_cache_hits", "prefix_cache_queries",
                                   "time_to_first_token_seconds_sum",
-                                  "time_to_first_token_seconds_count", "engine_loop_steps",
+                                  "time_to_first_token_seconds_count",
+                                  "request_queue_time_seconds_sum",
+                                  "request_queue_time_seconds_count", "engine_loop_steps",
                                   "engine_loop_busy_seconds", "engine_loop_busy_cpu_seconds")}
 
 
@@ -216,6 +218,8 @@ def counted(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
             "engine_ttft_mean_ms": 1000 * d["time_to_first_token_seconds_sum"]
             / max(1.0, d["time_to_first_token_seconds_count"]),
             "engine_ttft_p50_ms": 1000 * histogram_median(d),
+            "queue_mean_ms": 1000 * d["request_queue_time_seconds_sum"]
+            / max(1.0, d["request_queue_time_seconds_count"]),
             "steps": d["engine_loop_steps"], "busy_s": d["engine_loop_busy_seconds"],
             "busy_cpu_s": d["engine_loop_busy_cpu_seconds"]}
 
@@ -384,9 +388,9 @@ def calibrate(url: str, coef: list[float]) -> tuple[float, float, float]:
             last = ttft(prompt + [rng.randrange(200, 260) for _ in range(16)])
         hit.append(last)
     n = PROBE_LEN + 16
-    small = step_time(coef, (16, 0, 0, 0))
-    hit_step = step_time(coef, (16, 0, 0, 16 * n // 1000))
-    cold_step = step_time(coef, (PROBE_LEN, 0, 0, PROBE_LEN * PROBE_LEN // 1000))
+    small = step_time(coef, (16, 0, 0, 0, 0))
+    hit_step = step_time(coef, (16, 0, 0, 16 * n // 1000, PROBE_LEN))
+    cold_step = step_time(coef, (PROBE_LEN, 0, 0, PROBE_LEN * PROBE_LEN // 1000, 0))
     speed = max(0.25, (statistics.median(cold) - statistics.median(hit)) / 1e3
                 / max(cold_step - hit_step, 1e-6))
     per_token = max(0.0, (statistics.median(hit) - short - 1e3 * (hit_step - small) * speed)
@@ -460,13 +464,17 @@ def part_prefix(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     # more than the scaled model says.
     print("  the engines during the trace (measured / simulated): steps, busy wall s, busy "
           "CPU s / simulated s, engine-side TTFT p50 (histogram) / simulated, client TTFT "
-          "mean - engine-side mean (the serving path under load)")
+          "mean - engine-side mean (the serving path under load), the engine-side mean's "
+          "split: queued (arrival to first scheduled) / the rest, measured and simulated")
     for name, r in out.items():
         sim = r["sim"]
         print(f"  {name:<20} {r['steps']:6.0f} / {sim['steps']:<6}  {r['busy_s']:6.2f}  "
               f"{r['busy_cpu_s']:6.2f} / {sim['busy_s']:6.2f}   {r['engine_ttft_p50_ms']:5.1f} / "
               f"{sim['engine_ttft_p50'] * 1e3:5.1f} ms   "
-              f"{r['ttft_mean_ms'] - r['engine_ttft_mean_ms']:5.1f} ms", flush=True)
+              f"{r['ttft_mean_ms'] - r['engine_ttft_mean_ms']:5.1f} ms   queued "
+              f"{r['queue_mean_ms']:5.1f} / {sim['queue_mean'] * 1e3:5.1f} ms, rest "
+              f"{r['engine_ttft_mean_ms'] - r['queue_mean_ms']:5.1f} / "
+              f"{(sim['engine_ttft_mean'] - sim['queue_mean']) * 1e3:5.1f} ms", flush=True)
     return out
 
 

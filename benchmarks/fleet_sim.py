@@ -11,7 +11,7 @@ Trace: --prompts system prompts of --prompt-len tokens, each request one of them
 plus a user part of 20-80 random tokens, --out-len output tokens, Poisson arrivals at
 --rate per second. Step time = a + b * prefill tokens + c * decode sequences + d * context
 tokens of the decode sequences + e * prefill attention (new tokens x the context they attend
-to, the cached prefix included), fitted by least squares on the bundled model's real steps
+to, the cached prefix included) + f * prefill context (the cached prefix's tokens), fitted by least squares on the bundled model's real steps
 (1 torch thread, prefix caching on, serving-like arrivals: `--fit`). Replicas report their cached hashes to the router every
 --report-s seconds (as Ray's routing stats do); the router learns its own decisions at once.
 Prints per policy: prefix-cache hit rate, TTFT and TPOT p50 / p99, output tokens per second.
@@ -45,13 +45,18 @@ BLOCK_SIZE = 16
 REPORTED = 8192  # hashes a replica reports (slotserve/ray/server.py MAX_REPORTED_HASHES)
 
 
-def step_shape(so: SchedulerOutput, sched: Scheduler) -> tuple[int, int, int, int]:
-    """(prefill tokens, decode sequences, their context tokens, prefill attention) of one
-    step; prefill attention is the sum over prefill chunks of new tokens x the context they
-    attend to (cached prefix included) in thousands: a 50-token user part behind a cached
-    600-token prompt costs more than 50 cold tokens, which a model in prefill tokens alone
-    misses."""
-    prefill = decode = context = attention = 0
+Shape = tuple[int, int, int, int, int]
+
+
+def step_shape(so: SchedulerOutput, sched: Scheduler) -> Shape:
+    """(prefill tokens, decode sequences, their context tokens, prefill attention, prefill
+    context) of one step. Prefill attention is the sum over prefill chunks of new tokens x
+    the context they attend to (cached prefix included) in thousands; prefill context is the
+    tokens computed before each prefill chunk (a cached prefix): a 50-token user part behind
+    a cached 600-token prompt cost 9.2 ms here where 50 cold tokens cost 5.9, far more than
+    its attention pairs explain (the cached KV is read into the chunk's attention whatever
+    the chunk's length), which a model in prefill tokens and pairs alone missed."""
+    prefill = decode = context = attention = prefill_context = 0
     for rid, n in so.num_scheduled_tokens.items():
         req = sched.requests[rid]
         if req.num_computed_tokens + n >= req.num_tokens and n == 1 and req.num_output_tokens:
@@ -60,14 +65,15 @@ def step_shape(so: SchedulerOutput, sched: Scheduler) -> tuple[int, int, int, in
         else:
             prefill += n
             attention += n * (req.num_computed_tokens + n) // 1000
-    return prefill, decode, context, attention
+            prefill_context += req.num_computed_tokens
+    return prefill, decode, context, attention, prefill_context
 
 
-def step_time(coef: list[float], shape: tuple[int, int, int, int]) -> float:
-    """The fitted model; a fit without the attention term (4 coefficients) still loads."""
-    a, b, c, d, e = [*coef, 0.0][:5]
-    p, n_dec, ctx, att = shape
-    return max(a + b * p + c * n_dec + d * ctx + e * att, 1e-4)
+def step_time(coef: list[float], shape: Shape) -> float:
+    """The fitted model; older fits (4 or 5 coefficients) still load."""
+    a, b, c, d, e, f = [*coef, 0.0, 0.0][:6]
+    p, n_dec, ctx, att, pctx = shape
+    return max(a + b * p + c * n_dec + d * ctx + e * att + f * pctx, 1e-4)
 
 
 # ----- fitting the step-time model on the real engine -------------------------------------------
@@ -86,7 +92,7 @@ def fit(seconds: float) -> list[float]:
         enable_prefix_caching=True, device="cpu", dtype="float32")  # type: ignore[arg-type]
     core = engine.engine_core.engine_core  # type: ignore[attr-defined]
     sched, runner = core.scheduler, core.model_runner
-    rows: list[tuple[int, int, int, int, float]] = []
+    rows: list[tuple[int, int, int, int, int, float]] = []
     execute = runner.execute_model
 
     def timed(so: SchedulerOutput, grammar: Any = None) -> ModelRunnerOutput:
@@ -118,7 +124,8 @@ def fit(seconds: float) -> list[float]:
     pred = x @ coef
     print(f"fitted on {len(y)} steps: a={coef[0] * 1e3:.2f} ms, b={coef[1] * 1e6:.1f} us/prefill "
           f"token, c={coef[2] * 1e6:.1f} us/decode seq, d={coef[3] * 1e9:.1f} ns/context token, "
-          f"e={coef[4] * 1e6:.1f} us/1000 prefill attention pairs; median |error| "
+          f"e={coef[4] * 1e6:.1f} us/1000 prefill attention pairs, f={coef[5] * 1e6:.2f} "
+          f"us/prefill context token; median |error| "
           f"{np.median(np.abs(pred - y) / y) * 100:.0f}%")
     return [float(v) for v in coef]
 
@@ -174,6 +181,7 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
     ntok: dict[str, int] = {}
     next_report = 0.0
     busy = 0.0  # the replicas' simulated step seconds, summed (dp_bench compares the real)
+    scheduled: dict[str, float] = {}  # when a request was first scheduled (its queue time)
     steps = 0
     params = SamplingParams(max_tokens=args.out_len, temperature=0, ignore_eos=True)
     while events:
@@ -201,6 +209,8 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
             continue
         sim = fleet[payload]
         so = sim.sched.schedule(now=now)
+        for rid in so.num_scheduled_tokens:
+            scheduled.setdefault(rid, now)
         dt = step_time(coef, step_shape(so, sim.sched)) if so.total_num_scheduled_tokens else 0
         outputs = sim.sched.update_from_output(so, fake_execute(so, sim.sched), now + dt)
         busy += dt
@@ -231,7 +241,8 @@ def simulate(policy: str, coef: list[float], args: argparse.Namespace) -> dict[s
             "ttft_p50": float(np.median(ttft)), "engine_ttft_mean": float(engine_ttft.mean()), "ttft_p99": float(np.percentile(ttft, 99)),
             "tpot_p50": float(np.median(tpot)), "tpot_p99": float(np.percentile(tpot, 99)),
             "throughput": sum(ntok.values()) / span, "finished": len(first),
-            "busy_s": busy, "steps": steps, "engine_ttft_p50": float(np.median(engine_ttft))}
+            "busy_s": busy, "steps": steps, "engine_ttft_p50": float(np.median(engine_ttft)),
+            "queue_mean": float(np.mean([scheduled[r] - arrival[r] for r in first]))}
 
 
 def main() -> int:
