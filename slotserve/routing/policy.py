@@ -125,10 +125,10 @@ class Reservations:
     on a replica (`on_request_routed`) only once the replica has answered that it accepts it,
     a round trip later; meanwhile its other routing tasks choose with the old loads, so a
     burst of cold requests herds onto whichever replica looked least loaded (measured here:
-    64 requests sent at once split 46 / 18 over 2 replicas). A decision reserves its replica
-    at once; the replica's next confirmation settles the oldest reservation on it (or, when
-    none is left there, the oldest anywhere: the request went to a later choice); one never
-    confirmed (refused, cancelled) lapses after `ttl_s`."""
+    64 requests sent at once left 3,031 output tokens on one replica, 1,142 on the other).
+    A decision reserves its replica at once; the replica's next confirmation settles the
+    oldest reservation on it (or, when none is left there, the oldest anywhere: the request
+    went to a later choice); one never confirmed (refused, cancelled) lapses after `ttl_s`."""
 
     def __init__(self, ttl_s: float = 2.0) -> None:
         self.ttl_s = ttl_s
