@@ -11,8 +11,9 @@ Trace: --prompts system prompts of --prompt-len tokens, each request one of them
 plus a user part of 20-80 random tokens, --out-len output tokens, Poisson arrivals at
 --rate per second. Step time = a + b * prefill tokens + c * decode sequences + d * context
 tokens of the decode sequences + e * prefill attention (new tokens x the context they attend
-to, the cached prefix included) + f * prefill context (the cached prefix's tokens), fitted by least squares on the bundled model's real steps
-(1 torch thread, prefix caching on, serving-like arrivals: `--fit`). Replicas report their cached hashes to the router every
+to, the cached prefix included) + f * prefill context (the cached prefix's tokens), fitted
+by least squares on the bundled model's real steps (1 torch thread, prefix caching on,
+serving-like arrivals: `--fit`). Replicas report their cached hashes to the router every
 --report-s seconds (as Ray's routing stats do); the router learns its own decisions at once.
 Prints per policy: prefix-cache hit rate, TTFT and TPOT p50 / p99, output tokens per second.
 """
