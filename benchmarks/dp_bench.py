@@ -40,12 +40,10 @@ import asyncio
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +55,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet_sim import FIT_PATH, fit, simulate, step_time, trace  # noqa: E402
 from procs import free_port, stop, wait_healthy  # noqa: E402
+from server_counters import (  # noqa: E402
+    counted,
+    cpu_table,
+    per_replica,
+    process_cpu,
+    replica_split,
+    server_counters,
+)
 
 from slotserve.entrypoints import bench_serve as client  # noqa: E402
 
@@ -67,49 +73,6 @@ PROBE_LEN = 640  # the cold calibration probe: about one trace request's prompt
 ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--num-blocks", "1024",
                 "--max-waiting-seqs", "4096", "--max-waiting-tokens", "100000000",
                 "--max-client-share", "1.0"]
-
-
-def process_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) so far of `root` and all its descendants (a Ray server's
-    raylet, GCS, proxy, ingress, replicas and their engine cores), by pid, with a short name:
-    Ray's workers name themselves (`ray::ServeReplica:...`) in their command line."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[pid] = (_short_name(cmd), (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def _short_name(cmd: str) -> str:
-    if cmd.startswith("ray::"):
-        return cmd.split()[0].replace("ray::ServeReplica:", "").replace(":dp-bench", "")
-    if "core_process" in cmd or "engine" in cmd and "slotserve" in cmd and "serve" not in cmd:
-        return "engine core"
-    words = [w for w in cmd.split() if not w.startswith("-")]
-    return " ".join(Path(w).name for w in words[:3])[:40]
-
-
-def cpu_table(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
-              wall: float) -> dict[str, float]:
-    """CPU seconds each process spent between two readings, summed by name, printed."""
-    spent: dict[str, float] = {}
-    for pid, (name, cpu) in after.items():
-        spent[name] = spent.get(name, 0.0) + cpu - before.get(pid, (name, 0.0))[1]
-    rows = sorted(((v, k) for k, v in spent.items() if v >= 0.05), reverse=True)
-    print(f"    CPU seconds per process over the {wall:.1f} s run (total "
-          f"{sum(spent.values()):.1f}):", flush=True)
-    for v, k in rows:
-        print(f"      {v:7.2f}  {k}", flush=True)
-    return spent
 
 
 @contextmanager
@@ -156,86 +119,6 @@ def run(url: str, requests: list[client.BenchRequest], at: list[float]) -> dict[
             "ttft_p50_ms": 1000 * statistics.median([r.ttft for r in ok]) if ok else 0.0,
             "ttft_mean_ms": 1000 * statistics.fmean([r.ttft for r in ok]) if ok else 0.0,
             "errors": [r.error for r in results if not r.ok][:3]}
-
-
-def server_counters(url: str) -> dict[str, float]:
-    """The servers' /metrics counters, summed over replicas: prefix-cache hits and queries,
-    and the engine-side TTFT (arrival at the replica's engine front to its first token) sum
-    and count, which split the client's TTFT into the serving path's and the engine's."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(
-            rf"^slotserve:{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
-
-    buckets: dict[str, float] = {}
-    for le, v in re.findall(r'^slotserve:time_to_first_token_seconds_bucket{[^}]*le="([^"]+)"'
-                            r'[^}]*} ([0-9.e+]+)$', text, re.M):
-        buckets[f"ttft_le_{le}"] = buckets.get(f"ttft_le_{le}", 0.0) + float(v)
-    return buckets | {k: total(k) for k in ("prefix_cache_hits", "prefix_cache_queries",
-                                  "time_to_first_token_seconds_sum",
-                                  "time_to_first_token_seconds_count",
-                                  "request_queue_time_seconds_sum",
-                                  "request_queue_time_seconds_count", "engine_loop_steps",
-                                  "engine_loop_busy_seconds", "engine_loop_busy_cpu_seconds")}
-
-
-PER_REPLICA = ("generation_tokens", "engine_loop_busy_seconds", "engine_loop_busy_cpu_seconds")
-
-
-def per_replica(url: str) -> dict[str, dict[str, float]]:
-    """Per replica (its `replica` label; one process: "-"): tokens generated and the engine
-    loop's busy wall and CPU seconds so far, as the ingress's /metrics merges them (each
-    replica's report is at most a second old)."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    out: dict[str, dict[str, float]] = {}
-    for name, labels, value in re.findall(
-            r"^slotserve:(\w+?)(?:_total)?(?:{([^}]*)})? ([0-9.e+]+)$", text, re.M):
-        if name in PER_REPLICA:
-            rid = (re.findall(r'replica="([^"]+)"', labels or "") or ["-"])[0]
-            out.setdefault(rid, {}).setdefault(name, 0.0)
-            out[rid][name] += float(value)
-    return out
-
-
-def replica_split(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-                  wall: float) -> dict[str, dict[str, float]]:
-    """What each replica did between two readings, printed: whether the work was split
-    evenly and how much of the run each engine loop was busy."""
-    split = {rid: {k: v - before.get(rid, {}).get(k, 0.0) for k, v in vals.items()}
-             for rid, vals in after.items()}
-    for rid, d in sorted(split.items()):
-        print(f"      replica {rid[-8:]:>8}: {d.get('generation_tokens', 0):6.0f} tokens, engine "
-              f"loop busy {d.get('engine_loop_busy_seconds', 0):5.1f} s of {wall:.1f} "
-              f"({d.get('engine_loop_busy_cpu_seconds', 0):5.1f} CPU s)", flush=True)
-    return split
-
-
-def counted(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The hit rate and the engine-side TTFT mean of what was sent between two readings."""
-    d = {k: after[k] - before[k] for k in after}
-    return {"hit_rate": d["prefix_cache_hits"] / max(1.0, d["prefix_cache_queries"]),
-            "engine_ttft_mean_ms": 1000 * d["time_to_first_token_seconds_sum"]
-            / max(1.0, d["time_to_first_token_seconds_count"]),
-            "engine_ttft_p50_ms": 1000 * histogram_median(d),
-            "queue_mean_ms": 1000 * d["request_queue_time_seconds_sum"]
-            / max(1.0, d["request_queue_time_seconds_count"]),
-            "steps": d["engine_loop_steps"], "busy_s": d["engine_loop_busy_seconds"],
-            "busy_cpu_s": d["engine_loop_busy_cpu_seconds"]}
-
-
-def histogram_median(d: dict[str, float]) -> float:
-    """The engine-side TTFT median from the histogram's bucket counts (linear within the
-    bucket that holds it)."""
-    cum = sorted((float(k[len("ttft_le_"):]), v) for k, v in d.items()
-                 if k.startswith("ttft_le_") and k != "ttft_le_+Inf")
-    half = d.get("ttft_le_+Inf", 0.0) / 2
-    lo_le, lo_n = 0.0, 0.0
-    for le, n in cum:
-        if n >= half > 0:
-            return lo_le + (le - lo_le) * (half - lo_n) / max(n - lo_n, 1e-9)
-        lo_le, lo_n = le, n
-    return float("nan")
 
 
 def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
