@@ -212,12 +212,16 @@ class InvariantChecker:
         if head.request_id in tables or len(tables) < self.max_num_seqs:
             return
         grace = sched.scheduler_config.idle_slot_grace_s
-        for rid in sessions.idle:
+        for rid, session in sessions.idle.items():
             idle_for = sched.now - sessions.idle_since[rid]
-            if rid in tables and idle_for > grace:
+            # Re-derived here, not asked of the sessions component (which the scheduler asks).
+            since = sessions.idle_since[rid]
+            overtaken = head.queued_at < since and head.priority <= session.priority
+            if rid in tables and (idle_for > grace or overtaken):
+                why = (f"past the grace period of {grace:g} s" if idle_for > grace else
+                       "and paused after that request began to wait")
                 _fail("idle slot", f"request {head.request_id!r} waits for a worker slot while "
-                      f"idle session {rid!r} has held one for {idle_for:g} s, past the grace "
-                      f"period of {grace:g} s")
+                      f"idle session {rid!r} has held one for {idle_for:g} s, {why}")
 
     def check_blocks(self) -> None:
         pool = self.scheduler.kv_cache_manager.block_pool

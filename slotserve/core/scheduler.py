@@ -76,7 +76,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         existing = self.requests.get(request.request_id)
         if existing is not None:
-            self.sessions.add_chunk(existing, request)
+            self.sessions.add_chunk(existing, request, self.now)
             return
         if CHECK_REQUESTS:  # the front validated it; asserted under SLOTSERVE_CHECK
             check_new_request(request)
@@ -86,6 +86,7 @@ class Scheduler:
             self.report_end(request, "length", reason, session_end=FinishReason.REFUSED)
             return
         self.requests[request.request_id] = request
+        request.queued_at = self.now
         self.sessions.start(request)
         if request.structured_output_request is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -315,9 +316,6 @@ class Scheduler:
                         - (len(self.running) - len(scheduled_new)))
         idle_session_holders = sum(1 for rid in self.sessions.idle if ledger.holds(rid))
         waiting_holders = idle_holders - idle_session_holders
-        # Within one pass nothing turns "no idle session may give up its slot" into a victim
-        # (`now` is fixed, slots free up only through a reclaim): ask again only after one.
-        no_victim = not self.sessions.idle
         # Once a request waits for an adapter slot, later ones may not take a slot or join a
         # loaded adapter (its users must drain): base-model requests still go.
         new_adapters = True
@@ -325,11 +323,11 @@ class Scheduler:
             r = waiting.peek_request()
             holds_slot = ledger.holds(r.request_id)
             if not holds_slot and ledger.num_free_slots() <= 0:
-                # An idle session past its grace period gives its slot to r (the seed's
-                # semantics otherwise: a session that has just paused keeps it).
-                victim = (None if no_victim
-                          else self.sessions.slot_for_waiting(self.now, ledger.holds))
-                no_victim = victim is None
+                # An idle session past its grace period, or one that paused after r began to
+                # wait, gives its slot to r (the seed's semantics otherwise: a session that
+                # has just paused keeps it against a newcomer).
+                victim = (self.sessions.slot_for_waiting(self.now, ledger.holds, r)
+                          if self.sessions.idle else None)
                 if victim is not None:
                     self._reclaim_idle_slot(victim)
                 elif waiting_holders <= 0:

@@ -9,8 +9,10 @@ session's id ends it, and so does an idle timeout.
 
 An idle session's worker slot is its own only for a while (issue 11): once it has been idle
 longer than the grace period, a waiting request that finds no free slot takes the slot of the
-least important, longest-idle session; and at most `max_idle` idle sessions keep slot and KV
-at all. The scheduler takes them as a preemption (reported in preempted_req_ids, KV freed);
+least important, longest-idle session; a request that was already waiting when the session
+paused, and is at least as important, takes it at once (it was there first: the grace period
+protects a session against newcomers, not against those it overtook while it ran); and at
+most `max_idle` idle sessions keep slot and KV at all. The scheduler takes them as a preemption (reported in preempted_req_ids, KV freed);
 the session stays open with its tokens and recomputes them when its next chunk comes.
 
 Time enters as an argument (`now`, the engine's clock, given to Scheduler.schedule and
@@ -83,7 +85,7 @@ class StreamingSessions:
         self.idle_since.pop(request_id, None)
         self.queued.pop(request_id, None)
 
-    def add_chunk(self, session: Request, request: Request) -> None:
+    def add_chunk(self, session: Request, request: Request, now: float) -> None:
         """A later request with a session's id: its next chunk, or (not resumable) its end."""
         queue = self.queued.get(session.request_id)
         if queue is None:
@@ -91,7 +93,7 @@ class StreamingSessions:
                 f"duplicate request id {request.request_id!r} (not a streaming session)",
                 "request_id")
         queue.append(request if request.resumable else None)
-        self._apply_queued(session, queue)
+        self._apply_queued(session, queue, now)
 
     def on_stop(self, request: Request, now: float) -> bool:
         """A stopped request: True if it is finished, False if a session went idle (or was
@@ -105,10 +107,11 @@ class StreamingSessions:
         request.status = IDLE
         self.idle[request.request_id] = request
         self.idle_since[request.request_id] = now
-        self._apply_queued(request, queue)
+        self._apply_queued(request, queue, now)
         return False
 
-    def _apply_queued(self, session: Request, queue: deque[Request | None]) -> None:
+    def _apply_queued(self, session: Request, queue: deque[Request | None],
+                      now: float) -> None:
         """An idle session takes its next queued chunk (or ends on its end mark); a chunk
         refused (it does not fit) is skipped, the session staying idle."""
         while queue and session.request_id in self.idle:
@@ -117,7 +120,7 @@ class StreamingSessions:
                 self.end_request(session, RequestStatus.FINISHED_ABORTED, None, False,
                                  FinishReason.END)
             else:
-                self._promote(session, update)
+                self._promote(session, update, now)
 
     def expire(self, now: float) -> None:
         """End the sessions idle for longer than the timeout."""
@@ -131,14 +134,23 @@ class StreamingSessions:
                              f"streaming session idle for more than {self.timeout_s:g} s",
                              False, FinishReason.IDLE_TIMEOUT)
 
-    def slot_for_waiting(self, now: float, holds_slot: HoldsSlot) -> Request | None:
-        """The idle session whose slot a waiting request may take: one idle for longer than
-        the grace period that holds a slot, the least important first (the largest priority
-        value), then the longest idle. None when every slot holder is within its grace."""
-        grace = self.grace_s
+    def slot_for_waiting(self, now: float, holds_slot: HoldsSlot,
+                         waiter: Request) -> Request | None:
+        """The idle session whose slot `waiter` (a waiting request with no slot) may take,
+        the least important first (the largest priority value), then the longest idle; None
+        when there is none. Any session that holds a slot and gives it up
+        (gives_slot_to)."""
         candidates = [r for rid, r in self.idle.items()
-                      if now - self.idle_since[rid] > grace and holds_slot(rid)]
+                      if holds_slot(rid) and self.gives_slot_to(r, waiter, now)]
         return max(candidates, key=self._reclaim_rank, default=None)
+
+    def gives_slot_to(self, session: Request, waiter: Request, now: float) -> bool:
+        """Whether an idle session gives its slot to a waiting request: past the grace
+        period always; within it, only to a request that was waiting before the session
+        paused and is at least as important (priority value no larger)."""
+        since = self.idle_since[session.request_id]
+        return now - since > self.grace_s or (waiter.queued_at < since
+                                              and waiter.priority <= session.priority)
 
     def over_cap(self, holds_slot: HoldsSlot) -> list[Request]:
         """The idle sessions that must give up slot and KV so that at most max_idle keep
@@ -165,7 +177,7 @@ class StreamingSessions:
         important (largest priority value), then the longest idle. Ties keep idle order."""
         return request.priority, -self.idle_since[request.request_id]
 
-    def _promote(self, session: Request, update: Request) -> None:
+    def _promote(self, session: Request, update: Request, now: float) -> None:
         """Fold the next chunk into an idle session and queue it; it keeps KV and slot. A
         chunk the session cannot hold (the core alone knows its exact length) is refused as
         that chunk: the session stays idle, as it was."""
@@ -178,6 +190,7 @@ class StreamingSessions:
                             chunk=update.chunk, finished=False)
             return
         fold(session, update)
+        session.queued_at = now
         self.kv_cache_manager.truncate_hashes(session)
         del self.idle[session.request_id], self.idle_since[session.request_id]
         # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.

@@ -206,7 +206,8 @@ def test_idle_slots_held_forever_are_found(monkeypatch: pytest.MonkeyPatch, tmp_
     # the grace-period reclaim removed, the checker's idle-slot rule fires on the shortest
     # sequence: two sessions pause holding both slots, a request arrives, the clock passes
     # the grace period, and a step leaves it waiting.
-    monkeypatch.setattr(StreamingSessions, "slot_for_waiting", lambda self, now, holds: None)
+    monkeypatch.setattr(StreamingSessions, "slot_for_waiting",
+                        lambda self, now, holds, waiter: None)
     cfg = ExploreConfig(**{**_fields(MUTATION_CFG), "depth": 8,
                            "menu": Menu(**{**_fields(MUTATION_CFG.menu), "ticks": True})})
     events = _find_violation(cfg, tmp_path / "violation.jsonl", capsys)

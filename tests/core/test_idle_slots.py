@@ -87,6 +87,67 @@ def test_newcomer_takes_the_slot_only_after_the_grace_period() -> None:
     assert outs[0].new_token_ids == [42] and outs[0].finish_reason == "length"
 
 
+def test_a_request_waiting_before_the_pause_takes_the_slot_at_once() -> None:
+    # The grace period protects a session against newcomers, not against a request that was
+    # already waiting while the session ran: that one was there first.
+    d = Clocked(make_scheduler(max_num_seqs=1, idle_slot_grace_s=60.0))
+    d.sched.add_request(chunk("s", [1, 2, 3, 4, 5], arrival_time=0.0))
+    d.step()  # s prefills and holds the only slot
+    d.now = 0.1
+    d.sched.add_request(make_request("x", 4, start=300, max_tokens=2, arrival_time=0.1))
+    d.now = 0.2
+    out, _ = d.step({"s": STOP})  # s pauses at 0.2; x has waited since 0.1
+    assert "s" in d.sched.sessions.idle
+    d.now = 0.3  # well within the grace period
+    out, _ = d.step()
+    assert out.preempted_req_ids == {"s"}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["x"]
+    assert d.checker.holders == {"x"}
+    # A newcomer after the pause still waits out the grace period behind a paused session.
+    for _ in bounded(lambda: "x" in d.sched.requests):
+        d.step()
+    d.sched.add_request(chunk("s", [6], max_tokens=4, arrival_time=d.now))
+    d.step()
+    d.now = 0.5
+    d.sched.add_request(make_request("y", 4, start=400, max_tokens=2, arrival_time=0.5))
+    for _ in bounded(lambda: "s" not in d.sched.sessions.idle):
+        d.step({"s": STOP})
+    d.now = 1.0
+    out, _ = d.step()  # y waited before s's second pause: it goes
+    assert out.preempted_req_ids == {"s"} and d.checker.holders == {"y"}
+
+
+def test_a_less_important_earlier_waiter_still_waits_out_the_grace() -> None:
+    d = Clocked(make_scheduler(max_num_seqs=1, policy="priority", idle_slot_grace_s=2.0))
+    d.sched.add_request(chunk("s", [1, 2, 3], priority=0, arrival_time=0.0))
+    d.step()
+    d.now = 0.1
+    d.sched.add_request(make_request("x", 4, start=300, priority=5, arrival_time=0.1))
+    d.now = 0.2
+    d.step({"s": STOP})
+    d.now = 1.0
+    out, _ = d.step()
+    assert not out.preempted_req_ids and d.checker.holders == {"s"}
+    d.now = 2.5
+    out, _ = d.step()
+    assert out.preempted_req_ids == {"s"} and d.checker.holders == {"x"}
+
+
+def test_checker_catches_a_slot_kept_from_an_earlier_waiter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("slotserve.core.sessions.StreamingSessions.slot_for_waiting",
+                        lambda self, now, holds, waiter: None)
+    d = Clocked(make_scheduler(max_num_seqs=1, idle_slot_grace_s=60.0))
+    d.sched.add_request(chunk("s", [1, 2, 3], arrival_time=0.0))
+    d.step()
+    d.now = 0.1
+    d.sched.add_request(make_request("x", 3, start=300))
+    d.now = 0.2
+    with pytest.raises(InvariantViolation, match=r"\[idle slot\].*'x'.*'s'.*paused after"):
+        d.step({"s": STOP})
+        d.step()
+
+
 def test_the_least_important_then_longest_idle_session_gives_way() -> None:
     d = Clocked(make_scheduler(max_num_seqs=3, policy="priority", idle_slot_grace_s=1.0))
     d.pause("a", [1, 2, 3], priority=0)
@@ -145,7 +206,7 @@ def test_cap_zero_keeps_nothing_for_idle_sessions() -> None:
 def test_checker_catches_a_slot_held_past_the_grace_period(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("slotserve.core.sessions.StreamingSessions.slot_for_waiting",
-                        lambda self, now, holds: None)
+                        lambda self, now, holds, waiter: None)
     d = Clocked(make_scheduler(max_num_seqs=1, idle_slot_grace_s=1.0))
     d.pause("s", [1, 2, 3])
     d.sched.add_request(make_request("x", 3, start=300))
