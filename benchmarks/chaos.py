@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -168,6 +169,10 @@ def main() -> int:
                    "--skip)")
     p.add_argument("--only", default="", help="the only hostile patterns run, e.g. grammars "
                    "(chaos_hostile.py --only)")
+    p.add_argument("--hostile-nice", type=int, default=0,
+                   help="run the hostile clients' process at this nice value (e.g. 19): on a "
+                        "real deployment they run on other machines, while here they share "
+                        "the server's cores and their own CPU would count as server latency")
     p.add_argument("--engine-mode", choices=("process", "thread"), default="process")
     p.add_argument("--json", default=None)
     p.set_defaults(max_num_seqs=16, threads=1)
@@ -197,7 +202,8 @@ def main() -> int:
              "--seconds", str(args.chaos_seconds),
              "--sessions", str(args.idle_sessions or 2 * args.max_num_seqs),
              "--skip", args.skip, "--only", args.only],
-            stdout=subprocess.PIPE)
+            stdout=subprocess.PIPE,
+            preexec_fn=(lambda: os.nice(args.hostile_nice)) if args.hostile_nice else None)
         during: dict[str, float] = {}
         sampler = threading.Thread(target=sample_max, args=(url, args.chaos_seconds, during))
         sampler.start()
