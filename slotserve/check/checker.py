@@ -216,7 +216,7 @@ class InvariantChecker:
             idle_for = sched.now - sessions.idle_since[rid]
             # Re-derived here, not asked of the sessions component (which the scheduler asks).
             since = sessions.idle_since[rid]
-            overtaken = head.queued_at < since and head.priority <= session.priority
+            overtaken = head.arrival_time < since and head.priority <= session.priority
             if rid in tables and (idle_for > grace or overtaken):
                 why = (f"past the grace period of {grace:g} s" if idle_for > grace else
                        "and paused after that request began to wait")

@@ -65,7 +65,7 @@ class Request:
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "num_preemptions", "block_hashes", "max_tokens", "structured_output_request",
-        "chunk", "lora_request", "queued_at", "__weakref__",
+        "chunk", "lora_request", "__weakref__",
     )
 
     def __init__(
@@ -111,10 +111,6 @@ class Request:
         self.chunk = chunk
         # Its adapter (None: the base model); the prefix cache keys its blocks by it.
         self.lora_request = lora_request
-        # The engine's clock when it last joined the waiting queue (the scheduler sets it;
-        # a session's, when its next chunk was folded in): an idle session that paused after
-        # it gives it its slot at once (sessions.StreamingSessions.slot_for_waiting).
-        self.queued_at = 0.0
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property

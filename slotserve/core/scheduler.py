@@ -76,7 +76,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         existing = self.requests.get(request.request_id)
         if existing is not None:
-            self.sessions.add_chunk(existing, request, self.now)
+            self.sessions.add_chunk(existing, request)
             return
         if CHECK_REQUESTS:  # the front validated it; asserted under SLOTSERVE_CHECK
             check_new_request(request)
@@ -86,7 +86,6 @@ class Scheduler:
             self.report_end(request, "length", reason, session_end=FinishReason.REFUSED)
             return
         self.requests[request.request_id] = request
-        request.queued_at = self.now
         self.sessions.start(request)
         if request.structured_output_request is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR

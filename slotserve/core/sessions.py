@@ -85,7 +85,7 @@ class StreamingSessions:
         self.idle_since.pop(request_id, None)
         self.queued.pop(request_id, None)
 
-    def add_chunk(self, session: Request, request: Request, now: float) -> None:
+    def add_chunk(self, session: Request, request: Request) -> None:
         """A later request with a session's id: its next chunk, or (not resumable) its end."""
         queue = self.queued.get(session.request_id)
         if queue is None:
@@ -93,7 +93,7 @@ class StreamingSessions:
                 f"duplicate request id {request.request_id!r} (not a streaming session)",
                 "request_id")
         queue.append(request if request.resumable else None)
-        self._apply_queued(session, queue, now)
+        self._apply_queued(session, queue)
 
     def on_stop(self, request: Request, now: float) -> bool:
         """A stopped request: True if it is finished, False if a session went idle (or was
@@ -107,11 +107,10 @@ class StreamingSessions:
         request.status = IDLE
         self.idle[request.request_id] = request
         self.idle_since[request.request_id] = now
-        self._apply_queued(request, queue, now)
+        self._apply_queued(request, queue)
         return False
 
-    def _apply_queued(self, session: Request, queue: deque[Request | None],
-                      now: float) -> None:
+    def _apply_queued(self, session: Request, queue: deque[Request | None]) -> None:
         """An idle session takes its next queued chunk (or ends on its end mark); a chunk
         refused (it does not fit) is skipped, the session staying idle."""
         while queue and session.request_id in self.idle:
@@ -120,7 +119,7 @@ class StreamingSessions:
                 self.end_request(session, RequestStatus.FINISHED_ABORTED, None, False,
                                  FinishReason.END)
             else:
-                self._promote(session, update, now)
+                self._promote(session, update)
 
     def expire(self, now: float) -> None:
         """End the sessions idle for longer than the timeout."""
@@ -146,10 +145,12 @@ class StreamingSessions:
 
     def gives_slot_to(self, session: Request, waiter: Request, now: float) -> bool:
         """Whether an idle session gives its slot to a waiting request: past the grace
-        period always; within it, only to a request that was waiting before the session
-        paused and is at least as important (priority value no larger)."""
+        period always; within it, only to a request that arrived before the session paused
+        (its arrival_time, on the engine's clock: it may have waited in the front's admission
+        queue, or for its grammar, all that time) and is at least as important (priority
+        value no larger)."""
         since = self.idle_since[session.request_id]
-        return now - since > self.grace_s or (waiter.queued_at < since
+        return now - since > self.grace_s or (waiter.arrival_time < since
                                               and waiter.priority <= session.priority)
 
     def over_cap(self, holds_slot: HoldsSlot) -> list[Request]:
@@ -177,7 +178,7 @@ class StreamingSessions:
         important (largest priority value), then the longest idle. Ties keep idle order."""
         return request.priority, -self.idle_since[request.request_id]
 
-    def _promote(self, session: Request, update: Request, now: float) -> None:
+    def _promote(self, session: Request, update: Request) -> None:
         """Fold the next chunk into an idle session and queue it; it keeps KV and slot. A
         chunk the session cannot hold (the core alone knows its exact length) is refused as
         that chunk: the session stays idle, as it was."""
@@ -190,7 +191,6 @@ class StreamingSessions:
                             chunk=update.chunk, finished=False)
             return
         fold(session, update)
-        session.queued_at = now
         self.kv_cache_manager.truncate_hashes(session)
         del self.idle[session.request_id], self.idle_since[session.request_id]
         # Ahead of newcomers (FCFS): it already holds resources the worker keeps for it.

@@ -103,18 +103,22 @@ def test_a_request_waiting_before_the_pause_takes_the_slot_at_once() -> None:
     assert out.preempted_req_ids == {"s"}
     assert [r.req_id for r in out.scheduled_new_reqs] == ["x"]
     assert d.checker.holders == {"x"}
-    # A newcomer after the pause still waits out the grace period behind a paused session.
+    # The session's next chunk recomputes and runs; y arrives while it does, z after its
+    # second pause: y takes the slot at once, z (a newcomer to the pause) waits.
     for _ in bounded(lambda: "x" in d.sched.requests):
         d.step()
     d.sched.add_request(chunk("s", [6], max_tokens=4, arrival_time=d.now))
     d.step()
+    d.now = 0.4
+    d.sched.add_request(make_request("y", 4, start=400, max_tokens=2, arrival_time=0.4))
     d.now = 0.5
-    d.sched.add_request(make_request("y", 4, start=400, max_tokens=2, arrival_time=0.5))
     for _ in bounded(lambda: "s" not in d.sched.sessions.idle):
         d.step({"s": STOP})
-    d.now = 1.0
-    out, _ = d.step()  # y waited before s's second pause: it goes
+    d.now = 0.6
+    d.sched.add_request(make_request("z", 4, start=500, max_tokens=2, arrival_time=0.6))
+    out, _ = d.step()
     assert out.preempted_req_ids == {"s"} and d.checker.holders == {"y"}
+    assert [r.request_id for r in d.sched.waiting] == ["z"]
 
 
 def test_a_less_important_earlier_waiter_still_waits_out_the_grace() -> None:
@@ -141,7 +145,7 @@ def test_checker_catches_a_slot_kept_from_an_earlier_waiter(
     d.sched.add_request(chunk("s", [1, 2, 3], arrival_time=0.0))
     d.step()
     d.now = 0.1
-    d.sched.add_request(make_request("x", 3, start=300))
+    d.sched.add_request(make_request("x", 3, start=300, arrival_time=0.1))
     d.now = 0.2
     with pytest.raises(InvariantViolation, match=r"\[idle slot\].*'x'.*'s'.*paused after"):
         d.step({"s": STOP})
