@@ -26,28 +26,55 @@ def _controller(**kw: Any) -> AdmissionController:
 
 
 def test_release_is_round_robin_over_clients() -> None:
-    async def run() -> list[str]:
-        adm = _controller()
-        order: list[str] = []
+    async def run() -> None:
+        adm = _controller()  # a window of 1 unstarted sequence
         burst = [adm.admit("burst", 1, 10) for _ in range(6)]
-        late = adm.admit("late", 1, 10)
+        late = [adm.admit("late", 1, 10) for _ in range(2)]
         other = adm.admit("other", 1, 10)
-        tickets = {id(t): name for t, name in zip(
-            [*burst, late, other], [f"burst{i}" for i in range(6)] + ["late", "other"],
-            strict=True)}
-        pending = [*burst, late, other]
-        while pending:
-            released = next(t for t in pending if t.released.done())
-            order.append(tickets[id(released)])
-            pending.remove(released)
-            adm.started(released)  # its first token: the next one may go
-            adm.finished(released)
-        return order
+        # FCFS would put late and other after all six. The window holds burst0; a client
+        # with nothing waiting in the engine goes past it (one client's request that cannot
+        # start holds back no one else's), a client with something there does not.
+        assert [t.state for t in burst] == ["released"] + ["queued"] * 5
+        assert [t.state for t in late] == ["released", "queued"] and other.state == "released"
+        # Each start lets that client's next go; the others' wait.
+        adm.started(burst[0])
+        assert [t.state for t in burst[1:3]] == ["released", "queued"]
+        assert late[1].state == "queued"
+        adm.started(late[0])
+        assert late[1].state == "released" and burst[2].state == "queued"
+        # Once the engine holds fewer than the window, any client's goes: round robin.
+        adm.started(burst[1])
+        adm.started(late[1])
+        adm.started(other)
+        assert burst[2].state == "released" and burst[3].state == "queued"
+        for t in [*burst, *late, other]:
+            adm.finished(t)
+        assert not adm.in_engine and not adm.unstarted_by_client and not adm.waiting.seqs
 
-    order = asyncio.run(run())
-    # FCFS would put "late" and "other" after all six: here they wait behind one each.
-    assert order[:4] == ["burst0", "burst1", "late", "other"], order
-    assert order[4:] == ["burst2", "burst3", "burst4", "burst5"]
+    asyncio.run(run())
+
+
+def test_a_big_request_that_cannot_start_holds_back_no_other_client() -> None:
+    # The chaos run's start: one client's 8-sequence request waits for slots (the engine's
+    # window is 4); another client's one-sequence request goes to the engine at once.
+    async def run() -> None:
+        adm = _controller(core_window=4, num_slots=16)
+        big = adm.admit("burst", 8, 80)
+        assert big.state == "released" and adm.unstarted_seqs == 8
+        again = adm.admit("burst", 8, 80)
+        small = adm.admit("normal", 1, 10)
+        assert small.state == "released" and again.state == "queued"
+        adm.started(small)
+        adm.finished(small)
+        assert again.state == "queued"  # burst's first has not started
+        adm.started(big)
+        assert again.state == "queued"  # now its share of the slots (8 of 16) holds it
+        adm.finished(big)
+        assert again.state == "released"
+        adm.finished(again)
+        assert not adm.unstarted_seqs and not adm.unstarted_by_client
+
+    asyncio.run(run())
 
 
 def test_a_client_holds_its_share_of_slots_while_others_wait() -> None:

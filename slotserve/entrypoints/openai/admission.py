@@ -12,7 +12,9 @@ overfill it, up to twice the bounds.
 
 Fairness: accepted requests wait here in one queue per client and go to the engine round-robin
 over clients, while the engine holds at most `core_window` sequences that have not started
-(its waiting queue is FCFS; keeping it short keeps this order), and, while other clients
+(its waiting queue is FCFS; keeping it short keeps this order), except that a client with none
+of its own there goes past that window (so one client's request that cannot start, e.g. 8
+sequences waiting for slots, holds back no other client's first token), and, while other clients
 queue, no client holds more than its share of the engine's slots (work-conserving: a client
 alone may use them all). So a client's first token waits for a slot that the burst of another
 client frees, not behind that burst's queue.
@@ -90,8 +92,10 @@ class AdmissionController:
     queues: dict[str, deque[Ticket]] = field(default_factory=dict)
     # Clients with queued tickets, in round-robin order.
     turn: deque[str] = field(default_factory=deque)
-    # Released sequences that have not started, and those not finished, per client.
+    # Released sequences that have not started (in all, and per client), and those not
+    # finished, per client.
     unstarted_seqs: int = 0
+    unstarted_by_client: dict[str, int] = field(default_factory=dict)
     in_engine: dict[str, int] = field(default_factory=dict)
     # When each client's last request ended: it still counts as active for a moment (a
     # closed-loop client between two requests is not gone).
@@ -167,6 +171,11 @@ class AdmissionController:
         engine slots until `finished`)."""
         if ticket.state == "released":
             self.unstarted_seqs -= ticket.num_seqs
+            left = self.unstarted_by_client[ticket.client] - ticket.num_seqs
+            if left:
+                self.unstarted_by_client[ticket.client] = left
+            else:
+                del self.unstarted_by_client[ticket.client]
             self.started_times.append((time.monotonic(), ticket.num_seqs))
             ticket.state = "started"
             self._add(ticket.client, -ticket.num_seqs, -ticket.num_tokens)
@@ -232,20 +241,23 @@ class AdmissionController:
 
     def _dispatch(self) -> None:
         """Release queued tickets round-robin over clients while the engine has room: few
-        sequences waiting in it that have not started, and, while other clients are active,
-        no client over its share of the slots (so theirs find a free slot rather than wait
-        for one of its requests to end: there is no preemption between clients). A client
-        alone may use every slot."""
+        sequences waiting in it that have not started (a client with none of its own there
+        goes past that window), and, while other clients are active, no client over its
+        share of the slots (so theirs find a free slot rather than wait for one of its
+        requests to end: there is no preemption between clients). A client alone may use
+        every slot."""
         skipped = 0
         while self.turn and skipped < len(self.turn):
-            if self.unstarted_seqs and self.unstarted_seqs >= self.core_window:
-                return
             client = self.turn[0]
             ticket = self.queues[client][0]
             held = self.in_engine.get(client, 0)
-            if (held and held + ticket.num_seqs > self.client_max_slots
-                    and self._others_active(client)):
-                self.turn.rotate(-1)  # over its share while others are active: next
+            if ((self.unstarted_seqs >= self.core_window
+                 and self.unstarted_by_client.get(client, 0))
+                    or (held and held + ticket.num_seqs > self.client_max_slots
+                        and self._others_active(client))):
+                # The window is full and it has a request there, or it is over its share
+                # while others are active: the next client.
+                self.turn.rotate(-1)
                 skipped += 1
                 continue
             skipped = 0
@@ -258,6 +270,8 @@ class AdmissionController:
                 del self.queues[client]
             ticket.state = "released"
             self.unstarted_seqs += ticket.num_seqs
+            self.unstarted_by_client[client] = (self.unstarted_by_client.get(client, 0)
+                                                + ticket.num_seqs)
             self.in_engine[client] = held + ticket.num_seqs
             ticket.released.set_result(None)
 
