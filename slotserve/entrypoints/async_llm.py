@@ -152,6 +152,11 @@ class AsyncLLM:
         # hold up every other request's.
         self._front_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="slotserve-front")
+        # Chat requests render their template (in a child process, which a first render
+        # starts: about a second) and then tokenize on threads of their own: with them on the
+        # two above, two chat requests at once held every plain completion for that second.
+        self._chat_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="slotserve-chat")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_handler: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -194,6 +199,13 @@ class AsyncLLM:
         so the event loop keeps answering meanwhile."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._front_pool,
+                                          functools.partial(fn, *args, **kwargs))
+
+    async def run_chat_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """As run_off_loop, on the chat threads (a chat template's render, then its
+        tokenization), so a render never holds up a plain request's tokenization."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._chat_pool,
                                           functools.partial(fn, *args, **kwargs))
 
     def detokenize(self, token_ids: list[int]) -> str:
@@ -358,6 +370,7 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._front_pool.shutdown(wait=False, cancel_futures=True)
+        self._chat_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.engine_core.shutdown(timeout)
 
     # ----- outputs ----------------------------------------------------------------------------

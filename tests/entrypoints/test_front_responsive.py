@@ -90,3 +90,41 @@ def test_long_session_chunk_is_refused_and_the_session_goes_on(drained: Served) 
             kinds.append(json.loads(ws.recv(timeout=30))["type"])
         ws.send(json.dumps({"type": "end"}))
         assert json.loads(ws.recv(timeout=30))["type"] == "session.done"
+
+
+RENDER_S = 2.0
+
+
+def test_chat_renders_do_not_hold_up_plain_completions(drained: Served,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A first chat render starts the template's child process (about a second), and a big
+    # conversation renders for a while: two such chats at once held both tokenizing threads,
+    # and a plain completion waited for them (the chaos run's 1 s first tokens).
+    renderer = drained.engine.processor.chat_renderer
+    real = renderer.render
+
+    def slow_render(conversation: Any, **kwargs: Any) -> str:
+        time.sleep(RENDER_S)
+        return str(real(conversation, **kwargs))
+
+    monkeypatch.setattr(renderer, "render", slow_render)
+    chat = {"model": MODEL_NAME, "max_tokens": 2, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Speak"}]}
+    plain = {"model": MODEL_NAME, "max_tokens": 2, "ignore_eos": True,
+             "prompt": "Once more unto the breach"}
+
+    async def run() -> tuple[list[int], float]:
+        async with httpx.AsyncClient(base_url=drained.url, timeout=30) as http:
+            chats = [asyncio.ensure_future(http.post("/v1/chat/completions", json=chat))
+                     for _ in range(2)]
+            await asyncio.sleep(0.2)  # both renders are running now
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json=plain)
+            took = time.monotonic() - start
+            assert r.status_code == 200, r.text
+            return [(await c).status_code for c in chats], took
+
+    statuses, took = asyncio.run(run())
+    assert statuses == [200, 200]
+    # Behind the renders it would take RENDER_S - 0.2 s at least.
+    assert took < RENDER_S / 2, took

@@ -260,7 +260,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            tokens = await engine.run_off_loop(
+            tokens = await engine.run_chat_off_loop(
                 render_chat, engine.processor, req.messages,
                 add_generation_prompt=req.add_generation_prompt)
         else:

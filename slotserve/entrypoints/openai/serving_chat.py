@@ -182,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
 
         # Templating and tokenization happen off the event loop; then the request waits
         # for its turn.
-        processed = await self.engine.run_off_loop(prepare)
+        processed = await self.engine.run_chat_off_loop(prepare)
         tag_client([processed], self.client_of(raw, req.user))
         ticket = await self.admit(raw, req.user, [processed])
         outputs = merge_generators([self.engine.generate(processed)])
