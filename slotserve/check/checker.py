@@ -213,9 +213,9 @@ class InvariantChecker:
             return
         grace = sched.scheduler_config.idle_slot_grace_s
         for rid, session in sessions.idle.items():
-            idle_for = sched.now - sessions.idle_since[rid]
             # Re-derived here, not asked of the sessions component (which the scheduler asks).
             since = sessions.idle_since[rid]
+            idle_for = sched.now - since
             overtaken = head.arrival_time < since and head.priority <= session.priority
             if rid in tables and (idle_for > grace or overtaken):
                 why = (f"past the grace period of {grace:g} s" if idle_for > grace else

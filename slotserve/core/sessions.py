@@ -12,8 +12,8 @@ longer than the grace period, a waiting request that finds no free slot takes th
 least important, longest-idle session; a request that was already waiting when the session
 paused, and is at least as important, takes it at once (it was there first: the grace period
 protects a session against newcomers, not against those it overtook while it ran); and at
-most `max_idle` idle sessions keep slot and KV at all. The scheduler takes them as a preemption (reported in preempted_req_ids, KV freed);
-the session stays open with its tokens and recomputes them when its next chunk comes.
+most `max_idle` idle sessions keep slot and KV at all. The scheduler takes them as a
+preemption (reported in preempted_req_ids, KV freed); the session stays open with its tokens and recomputes them when its next chunk comes.
 
 Time enters as an argument (`now`, the engine's clock, given to Scheduler.schedule and
 update_from_output), so a recorded trace replays idle timeouts exactly.

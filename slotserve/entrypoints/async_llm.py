@@ -133,6 +133,13 @@ def _merge_run(run: list[RequestOutput]) -> RequestOutput:
     return dataclasses.replace(last, outputs=[by_index[i] for i in sorted(by_index)])
 
 
+async def _run_in(pool: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., T],
+                  *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on one of the front's thread pools, awaited from the loop."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+
 class AsyncLLM:
     """Async front of an LLMEngine whose core steps in the background. Build with
     `AsyncLLM.from_engine_args(model=PATH, engine_mode="thread" | "process", ...)`."""
@@ -197,16 +204,12 @@ class AsyncLLM:
     async def run_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on the front's worker threads (tokenization, chat templates),
         so the event loop keeps answering meanwhile."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._front_pool,
-                                          functools.partial(fn, *args, **kwargs))
+        return await _run_in(self._front_pool, fn, *args, **kwargs)
 
     async def run_chat_off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """As run_off_loop, on the chat threads (a chat template's render, then its
         tokenization), so a render never holds up a plain request's tokenization."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._chat_pool,
-                                          functools.partial(fn, *args, **kwargs))
+        return await _run_in(self._chat_pool, fn, *args, **kwargs)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids))

@@ -92,9 +92,7 @@ class AdmissionController:
     queues: dict[str, deque[Ticket]] = field(default_factory=dict)
     # Clients with queued tickets, in round-robin order.
     turn: deque[str] = field(default_factory=deque)
-    # Released sequences that have not started (in all, and per client), and those not
-    # finished, per client.
-    unstarted_seqs: int = 0
+    # Released sequences that have not started, and those not finished, per client.
     unstarted_by_client: dict[str, int] = field(default_factory=dict)
     in_engine: dict[str, int] = field(default_factory=dict)
     # When each client's last request ended: it still counts as active for a moment (a
@@ -105,6 +103,12 @@ class AdmissionController:
     # When each client was last refused (a client that ignores Retry-After is answered
     # slowly: see refusal_delay).
     refused_at: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unstarted_seqs(self) -> int:
+        """Released sequences that have not started (the window's count): few clients hold
+        any, each at least one, within the bound on waiting sequences."""
+        return sum(self.unstarted_by_client.values())
 
     @property
     def client_max_seqs(self) -> int:
@@ -170,7 +174,6 @@ class AdmissionController:
         """The request produced its first output: it waits no more (its sequences still hold
         engine slots until `finished`)."""
         if ticket.state == "released":
-            self.unstarted_seqs -= ticket.num_seqs
             left = self.unstarted_by_client[ticket.client] - ticket.num_seqs
             if left:
                 self.unstarted_by_client[ticket.client] = left
@@ -269,7 +272,6 @@ class AdmissionController:
             else:
                 del self.queues[client]
             ticket.state = "released"
-            self.unstarted_seqs += ticket.num_seqs
             self.unstarted_by_client[client] = (self.unstarted_by_client.get(client, 0)
                                                 + ticket.num_seqs)
             self.in_engine[client] = held + ticket.num_seqs
