@@ -53,6 +53,7 @@ from slotserve.models.native_build import (
     cpu_vendor,
     kernel_pool,
     load_kernel,
+    supported_levels,
 )
 from slotserve.models.native_qmatmul_plan import QMatmulPlan, kernel_error
 from slotserve.models.weight_arena import weight_buffer
@@ -132,8 +133,8 @@ class _Lib:
         self.isa: str = isa().decode()
         self.act_kind: dict[int, int] = {qtype: act_kind(qtype) for qtype in KERNEL_TYPES}
         # How far ahead, and from how many activation rows, the kernels prefetch (per CPU).
-        self.set_prefetch: Callable[[int, int, int], None] = dll.slotserve_set_prefetch
-        self.set_prefetch.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        self.set_prefetch: Callable[[int, int, int, int], None] = dll.slotserve_set_prefetch
+        self.set_prefetch.argtypes = [ctypes.c_int64] * 4
         self.set_prefetch.restype = None
         self.set_prefetch(*prefetch_policy())
         layout = dll.slotserve_qtype_layout
@@ -157,27 +158,38 @@ _FEW_PREFETCH_VENDORS = frozenset({"AuthenticAMD", "HygonGenuine"})
 # into L1 (csrc/qmatmul.c: slotserve_set_prefetch says why; Gemma's 640 x 1024 Q4_K read cold
 # at one row: 25 -> 15 us on the AMD EPYC). Intel keeps what its kernels were tuned with.
 _Q4K_L2_BYTES = 16384
+# On AMD without AVX-512 (Zen 3 and older, which run the AVX2 kernels), AVX2's int16 Q8_0
+# path asks for the output projection's bytes 2 KiB ahead at one to three rows, where Zen 4
+# and Intel read it faster without (csrc/qmatmul.c: q8_i16_few).
+_I16_FEW_BYTES_AVX2_AMD = 2048
 
 
-def prefetch_policy() -> tuple[int, int, int]:
+def cpu_has_avx512() -> bool:
+    """Whether this CPU runs AVX-512 (whatever level $SLOTSERVE_CPU_LEVEL forces)."""
+    return supported_levels()[0].name.startswith("v4")
+
+
+def prefetch_policy() -> tuple[int, int, int, int]:
     """(bytes ahead, from how many activation rows a light type's call does, bytes ahead a
-    packed Q4_K tile asks for into L2 instead, 0: as the others) the int8 kernels prefetch
-    streamed weights with on this CPU; `SLOTSERVE_PREFETCH=BYTES[,ROWS[,Q4K_L2_BYTES]]`
-    overrides it (0: never; benchmarks compare them)."""
+    packed Q4_K tile asks for into L2 instead (0: as the others), bytes ahead AVX2's int16
+    Q8_0 path asks below 4 rows (0: none)) the int8 kernels prefetch streamed weights with on
+    this CPU; `SLOTSERVE_PREFETCH=BYTES[,ROWS[,Q4K_L2_BYTES[,Q8_FEW_ROWS_BYTES]]]` overrides
+    it (0: never; benchmarks compare them)."""
     forced = os.environ.get(_PREFETCH_ENV)
     if forced:
         try:
             parts = [int(v) for v in forced.split(",")]
-            if len(parts) > 3 or min(parts) < 0:
+            if len(parts) > 4 or min(parts) < 0:
                 raise ValueError(forced)
         except ValueError:
-            raise ConfigError(f"{_PREFETCH_ENV}={forced!r}: expected BYTES, BYTES,ROWS or "
-                              "BYTES,ROWS,Q4K_L2_BYTES (non-negative integers)") from None
-        return (parts[0], parts[1] if len(parts) > 1 else 1,
-                parts[2] if len(parts) > 2 else 0)
+            raise ConfigError(f"{_PREFETCH_ENV}={forced!r}: expected BYTES, BYTES,ROWS, "
+                              "BYTES,ROWS,Q4K_L2_BYTES or BYTES,ROWS,Q4K_L2_BYTES,"
+                              "Q8_FEW_ROWS_BYTES (non-negative integers)") from None
+        v = parts + [1, 0, 0][len(parts) - 1:]  # the fields left out: 1 row, 0, 0
+        return v[0], v[1], v[2], v[3]
     if cpu_vendor() in _FEW_PREFETCH_VENDORS:
-        return 4096, 4, _Q4K_L2_BYTES
-    return 4096, 1, 0
+        return 4096, 4, _Q4K_L2_BYTES, 0 if cpu_has_avx512() else _I16_FEW_BYTES_AVX2_AMD
+    return 4096, 1, 0, 0
 
 
 # None: not tried yet; False: unavailable (already logged); else the loaded library.

@@ -7,8 +7,10 @@ changes when bytes are asked for, never a result:
   four give the same bits;
 - the policy: on AMD a Q4_0 / Q5_0 / Q8_0 call prefetches from four rows (its hardware
   prefetcher streams one or two rows faster alone), elsewhere from one, and a packed Q4_K
-  tile asks for its bytes 16 KiB ahead into L2 (into L1 4 KiB ahead elsewhere); `SLOTSERVE_PREFETCH` overrides it, and a malformed
-  value is a ConfigError naming the variable.
+  tile asks for its bytes 16 KiB ahead into L2 (into L1 4 KiB ahead elsewhere); on AMD
+  without AVX-512, AVX2's int16 Q8_0 path asks 2 KiB ahead below four rows (none elsewhere);
+  `SLOTSERVE_PREFETCH` overrides it, and a malformed value is a ConfigError naming the
+  variable.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tests.checkpoint.gguf_convert import Q
 from tests.models.test_qmatmul_int8 import weight
 
 TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_K]
-POLICIES = [(0, 1, 0), (4096, 1, 0), (4096, 4, 0), (64, 2, 0), (4096, 4, 16384), (0, 1, 64)]
+POLICIES = [(0, 1, 0, 0), (4096, 1, 0, 0), (4096, 4, 0, 0), (64, 2, 0, 0),
+            (4096, 4, 16384, 2048), (0, 1, 64, 64)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,16 +66,21 @@ def test_prefetch_changes_no_bit(level: native_build.CpuLevel, qtype: Q) -> None
 def test_policy_by_vendor_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLOTSERVE_PREFETCH", raising=False)
     monkeypatch.setattr(native_qmatmul, "cpu_vendor", lambda: "AuthenticAMD")
-    assert native_qmatmul.prefetch_policy() == (4096, 4, 16384)
+    monkeypatch.setattr(native_qmatmul, "cpu_has_avx512", lambda: True)
+    assert native_qmatmul.prefetch_policy() == (4096, 4, 16384, 0)
+    monkeypatch.setattr(native_qmatmul, "cpu_has_avx512", lambda: False)
+    assert native_qmatmul.prefetch_policy() == (4096, 4, 16384, 2048)
     monkeypatch.setattr(native_qmatmul, "cpu_vendor", lambda: "GenuineIntel")
-    assert native_qmatmul.prefetch_policy() == (4096, 1, 0)
+    assert native_qmatmul.prefetch_policy() == (4096, 1, 0, 0)
     monkeypatch.setenv("SLOTSERVE_PREFETCH", "0")
-    assert native_qmatmul.prefetch_policy() == (0, 1, 0)
+    assert native_qmatmul.prefetch_policy() == (0, 1, 0, 0)
     monkeypatch.setenv("SLOTSERVE_PREFETCH", "2048,8")
-    assert native_qmatmul.prefetch_policy() == (2048, 8, 0)
+    assert native_qmatmul.prefetch_policy() == (2048, 8, 0, 0)
     monkeypatch.setenv("SLOTSERVE_PREFETCH", "4096,4,8192")
-    assert native_qmatmul.prefetch_policy() == (4096, 4, 8192)
-    for bad in ("-1", "a", "1,2,3,4", "4096,", "1,1,-1"):
+    assert native_qmatmul.prefetch_policy() == (4096, 4, 8192, 0)
+    monkeypatch.setenv("SLOTSERVE_PREFETCH", "4096,4,8192,1024")
+    assert native_qmatmul.prefetch_policy() == (4096, 4, 8192, 1024)
+    for bad in ("-1", "a", "1,2,3,4,5", "4096,", "1,1,-1", "1,1,1,-1"):
         monkeypatch.setenv("SLOTSERVE_PREFETCH", bad)
         with pytest.raises(ConfigError, match="SLOTSERVE_PREFETCH"):
             native_qmatmul.prefetch_policy()

@@ -11,7 +11,7 @@ every level this CPU runs:
   activations at +-127 give the reference's values: AVX2's int16 partial sums never saturate;
 - AVX2's Q8_0 in int16 (rp_q8_tile16) gives rp_tile's bits, with its activations widened in
   passes of a few rows, and rows too long for its buffer take rp_tile itself;
-- the thread split changes no bit; embedding rows read from the packed layout are bit for bit
+- the thread split changes no bit, nor does decoding a group once for a wide call; embedding rows read from the packed layout are bit for bit
   the GGUF layout's dequantized rows (the layout round-trips);
 - a build without the layout (the portable levels) reports it and keeps the GGUF layout, and
   every level compiles, the AVX-VNNI one too on a CPU without AVX-VNNI (whose tests skip);
@@ -87,7 +87,9 @@ def test_packed_matmul_equals_llamacpps_scheme(lib: native_qmatmul._Lib, qtype: 
     rows = lib.repack_rows[int(qtype)]
     for i, (m, groups, blocks) in enumerate([(1, 1, 1), (2, 2, 3), (3, 3, 20), (4, 1, 2),
                                              (5, 1, 1), (6, 2, 5), (7, 1, 2), (8, 1, 3),
-                                             (9, 4, 20), (17, 2, 2), (33, 1, 70)]):
+                                             (9, 4, 20), (17, 2, 2), (33, 1, 70),
+                                             # past the blocks a group is decoded ahead for
+                                             (6, 1, 136)]):
         if block == 256:  # the K-quants' blocks are 8 times longer
             blocks = -(-blocks // 8)
         k, n = blocks * block, groups * rows
@@ -150,6 +152,23 @@ def test_packed_thread_split_changes_no_bit(lib: native_qmatmul._Lib) -> None:
     data, _ = weight(Q.Q5_0, n, k, seed=3)
     w = QuantWeight(torch.from_numpy(data), int(Q.Q5_0), k, lib=lib).repacked()
     assert_split_changes_no_bit(w, torch.randn(9, k, generator=torch.Generator().manual_seed(5)))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_a_wide_call_gives_each_rows_bits(lib: native_qmatmul._Lib, qtype: Q) -> None:
+    """A call of many rows decodes each group once ahead (Q4_0 / Q5_0 / Q6_K, more than one
+    tile of rows); one row decodes as it goes: the same integer and float steps, so the same
+    bits."""
+    k, n = 5 * GGML_QUANT_SIZES[qtype][0], 2 * lib.repack_rows[int(qtype)]
+    data, _ = weight(qtype, n, k, seed=11)
+    w = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib).repacked()
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(12))
+    wide = torch.empty(19, n)
+    w.matmul(x, wide)
+    for i in range(19):
+        one = torch.empty(1, n)
+        w.matmul(x[i:i + 1], one)
+        assert torch.equal(one[0], wide[i]), f"row {i}"
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])

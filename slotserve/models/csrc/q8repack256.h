@@ -13,8 +13,9 @@
  * signed in this layout and multiplied as |w| times sign(a, w) (at most 2 * 128 * 127), as
  * ggml's AVX2 code does, or (without AVX-VNNI, rows of at most RP_A16 values) both sides
  * widened to int16 for vpmaddwd alone (rp_q8_tile16). Every integer sum is exact either way;
- * per output the float sum runs over the blocks in order: y = sum_b (d_w,b * d_a,b) * isum_b. Included by q8repack.h only,
- * where AVX2, FMA and F16C are on. */
+ * per output the float sum runs over the blocks in order: y = sum_b (d_w,b * d_a,b) * isum_b.
+ * Q4_K and Q6_K are in q8repack256k.h. Included by q8repack.h only, where AVX2, FMA and F16C
+ * are on. */
 #ifndef SLOTSERVE_Q8REPACK256_H
 #define SLOTSERVE_Q8REPACK256_H
 #define RP_SIMD 1
@@ -115,22 +116,30 @@ static inline RP_AI void rp_decode(const int type, const uint8_t* rec, __m256i w
     }
 }
 
-/* mr activation rows against one group of 8 weight rows: y[i * ldy + 0..7]. */
+/* mr activation rows against one group of 8 weight rows: y[i * ldy + 0..7]. `dec`/`decd`:
+   the group decoded ahead (nb blocks; Q4_0 / Q5_0), or NULL to decode each record as it comes
+   (`pf`: and prefetch the bytes q8_prefetch on). */
 static inline RP_AI void rp_tile(const int type, const int shift, const uint8_t* grp,
-                                 int64_t nb, const uint8_t* act, int64_t arb, int64_t k,
-                                 float* y, int64_t ldy, const int mr, const int pf) {
+                                 const __m256i* dec, const __m256* decd, int64_t nb,
+                                 const uint8_t* act, int64_t arb, int64_t k, float* y,
+                                 int64_t ldy, const int mr, const int pf) {
     const int64_t rb = (int64_t)RP_ROWS * (type == 8 ? 34 : type == 2 ? 18 : 22);
     const int lim = type == 2 ? 8 : 4;
     __m256 acc[RP_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* rec = grp + b * rb;
-        if (pf)
-            for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
         __m256i w[8];
         __m256 dw;
-        rp_decode(type, rec, w, &dw);
+        if (dec) {
+            for (int g = 0; g < 8; g++) w[g] = dec[8 * b + g];
+            dw = decd[b];
+        } else {
+            const uint8_t* rec = grp + b * rb;
+            if (pf)
+                for (int64_t p = 0; p < rb; p += 64)
+                    __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
+            rp_decode(type, rec, w, &dw);
+        }
 #ifndef __AVXVNNI__
         __m256i u[8];
         if (type == 8)
@@ -189,9 +198,10 @@ static inline RP_AI void rp_tile(const int type, const int shift, const uint8_t*
 #error "rp_q8_tile16's driver handles tiles of at most 6 rows"
 #endif
 
+/* `pf`: how many bytes ahead to ask for the weight's bytes (0: not at all). */
 static inline RP_AI void rp_q8_tile16(const uint8_t* grp, int64_t nb, const int16_t* a16,
                                       int64_t k, const uint8_t* act, int64_t arb, float* y,
-                                      int64_t ldy, const int mr, const int pf) {
+                                      int64_t ldy, const int mr, const int64_t pf) {
     const int64_t rb = (int64_t)RP_ROWS * 34;
     const __m256i perm = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  /* its own inverse */
     __m256 acc[RP_MR16];
@@ -200,7 +210,7 @@ static inline RP_AI void rp_q8_tile16(const uint8_t* grp, int64_t nb, const int1
         const uint8_t* rec = grp + b * rb;
         if (pf)
             for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
+                __builtin_prefetch(rec + p + pf, 0, 3);
         __m256i lo[RP_MR16], hi[RP_MR16];
         for (int i = 0; i < mr; i++) lo[i] = hi[i] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -233,12 +243,12 @@ static inline RP_AI void rp_q8_tile16(const uint8_t* grp, int64_t nb, const int1
         _mm256_storeu_ps(y + i * ldy, _mm256_permutevar8x32_ps(acc[i], perm));
 }
 
-/* From how many activation rows this int16 path asks for its weight's bytes ahead, whatever
-   the vendor (qmatmul.c's policy sets it for the other paths): below that the hardware
-   prefetcher alone streams it faster. Intel Xeon (AVX-512 + AMX, running this AVX2 code;
-   decode_step_profile --gemma --batch 1, SLOTSERVE_CPU_LEVEL=v3): the 262k x 640 Q8_0 output
-   projection 16.4-16.7 ms a step with the requests 4 KiB ahead, 13.7-14.1 ms without; AMD
-   Zen 4 already did not ask below 4 rows. */
+/* From how many activation rows this int16 path asks for its weight's bytes q8_prefetch ahead
+   (when the policy prefetches light types there); below that it asks q8_i16_few bytes ahead,
+   0 for none (qmatmul.c's policy, per CPU). Intel Xeon (AVX-512 + AMX, running this AVX2
+   code; decode_step_profile --gemma --batch 1, SLOTSERVE_CPU_LEVEL=v3): the 262k x 640 Q8_0
+   output projection 16.4-16.7 ms a step with the requests 4 KiB ahead, 13.7-14.1 ms without;
+   AMD Zen 4 did not ask below 4 rows either; AMD Zen 3 gains from 2 KiB ahead. */
 #ifndef RP_Q8_PF_ROWS
 #define RP_Q8_PF_ROWS 4
 #endif
@@ -269,7 +279,9 @@ static void q8_0_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_
                 const int16_t* ai = a16 + (i - c0) * k;
                 const uint8_t* a_ = act + i * arb;
                 float* y_ = y + i * ldy + grp * RP_ROWS;
-                const int pf = i == c0 && m1 - m0 >= RP_Q8_PF_ROWS && q8_prefetching(m0, m1, 1);
+                const int64_t pf = i != c0 ? 0
+                                 : m1 - m0 < RP_Q8_PF_ROWS ? q8_i16_few
+                                 : q8_prefetching(m0, m1, 1) ? q8_prefetch : 0;
 #define RP_T16(mr) rp_q8_tile16(gp, nb, ai, k, a_, arb, y_, ldy, mr, pf)
                 switch (c1 - i < RP_MR16 ? (int)(c1 - i) : RP_MR16) {
                     case 1: RP_T16(1); break;
@@ -286,135 +298,62 @@ static void q8_0_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_
 }
 #endif
 
-/* Q4_K: per block and activation row, each sub-block's integer dot for 8 rows times its
-   scale, and the mins times the activation's bsums (rp8_pairdot), exact int32; then
-   acc += (d_w * d_a) * isum - (dmin_w * d_a) * msum, as q8dot.h's formula. */
-static inline RP_AI __m128i rp_k_six(const uint8_t* rec, int j, int mins) {
-    const uint8_t* pl = rec + RP_K_SCALES;  /* plane i: the 8 rows' scales[i] */
-    const __m128i m63 = _mm_set1_epi8(63), m0f = _mm_set1_epi8(0x0f), m30 = _mm_set1_epi8(0x30);
-    if (j < 4) return _mm_and_si128(RP_LD8(pl + 8 * (j + 4 * mins)), m63);
-    __m128i lo = RP_LD8(pl + 8 * (j + 4));  /* scales[j + 4] */
-    lo = mins ? _mm_and_si128(_mm_srli_epi16(lo, 4), m0f) : _mm_and_si128(lo, m0f);
-    __m128i top = RP_LD8(pl + 8 * (j - 4 + 4 * mins));
-    return _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(top, 2), m30));
-}
+/* A call of at least RP_AHEAD_ROWS activation rows decodes each group once ahead, and every
+   tile of rows reads it (Q4_0 / Q5_0 below, Q4_K / Q6_K in q8repack256k.h; q8repack512.h does
+   the same): unpacking nibbles, high bits and scales again for every RP_MR rows costs about
+   as much as their products. AMD Zen 3 (EPYC, AVX2), decode_step_profile.py --gemma, the
+   layers: batch 32 71-74 ms against 78-80 as before, batch 8 24.4 against 22.8 when it
+   started at 5 rows (the stores and reloads cost more than two decodes), equal from 9. */
+#ifndef RP_AHEAD_ROWS
+#define RP_AHEAD_ROWS 9
+#endif
+/* Either tile call, each inlined with `dec` a constant (NULL: the one-row path as before). */
+#define RP_AHEAD(WITH, WITHOUT) do { if (ahead) WITH; else WITHOUT; } while (0)
+#include "q8repack256k.h"
 
-static inline RP_AI void rp_k_tile(const uint8_t* grp, int64_t nb, const uint8_t* act,
-                                   int64_t arb, int64_t k, float* y, int64_t ldy, const int mr,
-                                   const int pf) {
-    const int64_t rb = (int64_t)RP_ROWS * 144;
-    __m256 acc[RP_MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* rec = grp + b * rb;
-        if (pf) Q8_K4_PREFETCH(rec, rb);
-        __m256i isum[RP_MR], mn[8];
-        for (int i = 0; i < mr; i++) isum[i] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; s++) {  /* (mn_s, mn_s) per row, against bs[2s], bs[2s + 1] */
-            __m128i m8 = rp_k_six(rec, s, 1);
-            mn[s] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
-        }
-        for (int s = 0; s < 8; s++) {
-            __m256i w[8];
-            for (int g = 0; g < 8; g++) {
-                __m256i v = RP_LD(rec + RP_K_QS + 256 * (s / 2) + 32 * g);
-                w[g] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
-            }
-            const __m256i sc = rp8_scales(rp_k_six(rec, s, 0), 0);
-            for (int i = 0; i < mr; i++) {
-                const rp_i32* a = (const rp_i32*)(act + i * arb + 256 * b + 32 * s);
-                isum[i] = _mm256_add_epi32(isum[i], rp8_dot_sc(w, a, 8, 8, sc));
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)));
-        for (int i = 0; i < mr; i++) {
-            const uint8_t* ai = act + i * arb;
-            const int16_t* bs = (const int16_t*)((const float*)(ai + k) + nb) + 16 * b;
-            const __m256i msum = rp8_pairdot(mn, bs);
-            const __m256 da = _mm256_set1_ps(((const float*)(ai + k))[b]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, da), acc[i]);
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, da), acc[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(y + i * ldy, acc[i]);
-}
-
-/* Q6_K: per block and activation row, each 16-value group's integer dot of the unsigned
-   values v = q + 32 for 8 rows times the group's scale, less 32 * sum_g sc_g * bsum_g (the
-   offset, exact: rp8_pairdot); then acc += (d_w * d_a) * isum, as q8dot.h's formula. */
-static inline RP_AI __m256i rp_6_hi(__m256i h, int c) {  /* bits 2c..2c+1 of each byte to 4..5 */
-    switch (c % 4) {
-        case 0: h = _mm256_slli_epi16(h, 4); break;
-        case 1: h = _mm256_slli_epi16(h, 2); break;
-        case 3: h = _mm256_srli_epi16(h, 2); break;
-        default: break;
-    }
-    return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
-}
-
-static inline RP_AI void rp_6_tile(const uint8_t* grp, int64_t nb, const uint8_t* act,
-                                   int64_t arb, int64_t k, float* y, int64_t ldy, const int mr,
-                                   const int pf) {
-    const int64_t rb = (int64_t)RP_ROWS * 210;
-    __m256 acc[RP_MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* rec = grp + b * rb;
-        const uint8_t* pl = rec + RP_6_SCALES;  /* plane g: the 8 rows' scales[g] */
-        if (pf)
-            for (int64_t p = 0; p < rb; p += 64)
-                __builtin_prefetch(rec + p + q8_prefetch, 0, 3);
-        __m256i isum[RP_MR], scp[8];
-        for (int i = 0; i < mr; i++) isum[i] = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++)  /* (sc_2j, sc_2j+1) per row, against bs[2j], bs[2j + 1] */
-            scp[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(RP_LD8(pl + 16 * j),
-                                                            RP_LD8(pl + 16 * j + 8)));
-        for (int c = 0; c < 8; c++) {
-            __m256i w[8];
-            for (int g = 0; g < 8; g++) {
-                __m256i lo = RP_LD(rec + RP_6_LO + 256 * (c / 2) + 32 * g);
-                __m256i hi = RP_LD(rec + RP_6_HI + 256 * (c / 4) + 32 * g);
-                lo = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(lo, 4) : lo, m4);
-                w[g] = _mm256_or_si256(lo, rp_6_hi(hi, c));
-            }
-            const __m256i sc0 = rp8_scales(RP_LD8(pl + 8 * (2 * c)), 1);
-            const __m256i sc1 = rp8_scales(RP_LD8(pl + 8 * (2 * c + 1)), 1);
-            for (int i = 0; i < mr; i++) {
-                const rp_i32* a = (const rp_i32*)(act + i * arb + 256 * b + 32 * c);
-                isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(
-                    rp8_dot_sc(w, a, 4, 2, sc0), rp8_dot_sc(w + 4, a + 4, 4, 2, sc1)));
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
-        for (int i = 0; i < mr; i++) {
-            const uint8_t* ai = act + i * arb;
-            const int16_t* bs = (const int16_t*)((const float*)(ai + k) + nb) + 16 * b;
-            const __m256i is = _mm256_sub_epi32(isum[i],
-                                                _mm256_slli_epi32(rp8_pairdot(scp, bs), 5));
-            const __m256 da = _mm256_set1_ps(((const float*)(ai + k))[b]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, da), acc[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++) _mm256_storeu_ps(y + i * ldy, acc[i]);
-}
-
-#define RP_Q4_0_TILE(gp, nb, a_, arb, k, y_, ldy, mr, pf) \
-    rp_tile(2, 3, gp, nb, a_, arb, k, y_, ldy, mr, pf)
-#define RP_Q5_0_TILE(gp, nb, a_, arb, k, y_, ldy, mr, pf) \
-    rp_tile(6, 4, gp, nb, a_, arb, k, y_, ldy, mr, pf)
 #define RP_Q8_0_TILE(gp, nb, a_, arb, k, y_, ldy, mr, pf) \
-    rp_tile(8, 7, gp, nb, a_, arb, k, y_, ldy, mr, pf)
+    rp_tile(8, 7, gp, 0, 0, nb, a_, arb, k, y_, ldy, mr, pf)
 
-RP_GROUPS_MM(q4_0, RP_Q4_0_TILE, 18, RP_MR) RP_GROUPS_MM(q5_0, RP_Q5_0_TILE, 22, RP_MR)
+/* Q4_0 / Q5_0: groups [g0, g1) against activation rows [m0, m1), decoded ahead for a wide
+   call (above); the integer and float steps are the same either way, so are the outputs. */
+#define RP_DEC_MAX 128     /* blocks per row decoded ahead (k <= 4096: 36 KiB of stack) */
+#define RP_TILE_CASE(N, T, S) \
+    case N: RP_AHEAD(rp_tile(T, S, gp, dec, decd, nb, a_, arb, k, y_, ldy, N, 0), \
+                     rp_tile(T, S, gp, 0, 0, nb, a_, arb, k, y_, ldy, N, pf)); break;
+#define RP_MM(NAME, TYPE, SHIFT)                                                             \
+static void NAME##_rp_mm(const uint8_t* wp, int64_t nb, const uint8_t* act, int64_t arb,      \
+                         int64_t k, int64_t m0, int64_t m1, float* y, int64_t ldy,            \
+                         int64_t g0, int64_t g1) {                                            \
+    const int64_t rb = (int64_t)RP_ROWS * (TYPE == 2 ? 18 : 22);                              \
+    const int ahead = m1 - m0 >= RP_AHEAD_ROWS && nb <= RP_DEC_MAX;                           \
+    __m256i dec[ahead ? 8 * nb : 1];                                                          \
+    __m256 decd[ahead ? nb : 1];                                                              \
+    for (int64_t grp = g0; grp < g1; grp++) {                                                 \
+        const uint8_t* gp = wp + grp * nb * rb;                                               \
+        if (ahead)                                                                            \
+            for (int64_t b = 0; b < nb; b++) {                                                \
+                for (int64_t p = 0; q8_prefetching(m0, m1, 1) && p < rb; p += 64)             \
+                    __builtin_prefetch(gp + b * rb + p + q8_prefetch, 0, 3);                  \
+                rp_decode(TYPE, gp + b * rb, dec + 8 * b, decd + b);                          \
+            }                                                                                 \
+        for (int64_t i = m0; i < m1; i += RP_MR) {                                            \
+            const uint8_t* a_ = act + i * arb;                                                \
+            float* y_ = y + i * ldy + grp * RP_ROWS;                                          \
+            const int pf = !ahead && i == m0 && q8_prefetching(m0, m1, 1);                   \
+            switch (m1 - i < RP_MR ? (int)(m1 - i) : RP_MR) {                                 \
+                RP_TILE_CASE(1, TYPE, SHIFT) RP_TILE_CASE(2, TYPE, SHIFT)                     \
+                RP_TILE_CASE(3, TYPE, SHIFT) default:                                         \
+                RP_AHEAD(rp_tile(TYPE, SHIFT, gp, dec, decd, nb, a_, arb, k, y_, ldy, RP_MR, 0), \
+                         rp_tile(TYPE, SHIFT, gp, 0, 0, nb, a_, arb, k, y_, ldy, RP_MR, pf));  \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+RP_MM(q4_0, 2, 3) RP_MM(q5_0, 6, 4)
 #ifdef __AVXVNNI__
 RP_GROUPS_MM(q8_0, RP_Q8_0_TILE, 34, RP_MR)
 #else
 RP_GROUPS_MM(q8_0_sign, RP_Q8_0_TILE, 34, RP_MR)
 #endif
-RP_GROUPS_MM(q4_k, rp_k_tile, 144, RP_MR)
-RP_GROUPS_MM(q6_k, rp_6_tile, 210, RP_MR)
 
 #endif

@@ -49,16 +49,24 @@ enum {
    rows, and for the K-quants at any (their tiles spend more arithmetic per byte: Gemma's Q6_K
    ffn_down at one row 0.62 against 1.30 ms a step), the requests ahead win. */
 static int64_t q8_prefetch = 4096, q8_light_rows = 1, q8_k4_l2 = 0;
+/* AVX2's int16 Q8_0 path (q8repack256.h: the output projection) below 4 activation rows: how
+   many bytes ahead it asks for its weight (0: none). On the AMD Zen 3 here (EPYC, AVX2 only;
+   decode_step_profile --gemma --batch 1, 3 rounds) 2 KiB ahead read the 262k x 640 projection
+   in 9.5-10.3 ms against 10.7-12.2 without (1 KiB 9.6-11.8, 512 B 10.9-11.6); Intel and
+   Zen 4 read it faster without. */
+static int64_t q8_i16_few = 0;
 /* `q4k_l2_bytes` > 0: a packed Q4_K tile asks for its weight's bytes that far ahead into L2
    (prefetcht2) instead of q8_prefetch's into L1. Why: on the AMD EPYC here a Q4_K tile spends
    the most arithmetic per byte of any type, and with its requests going to L1 4 KiB ahead its
    read from DRAM did not overlap that arithmetic at all (640 x 1024 at one row: 25 us cold
    against 11.5 us hot in cache; 16 KiB ahead into L2: 15 us; 8-48 KiB all gave 15-17 us),
    while Q6_K reads fastest as it was (4 KiB into L1: 37 us; into L2 at any distance 48-60). */
-void slotserve_set_prefetch(int64_t bytes, int64_t light_min_rows, int64_t q4k_l2_bytes) {
+void slotserve_set_prefetch(int64_t bytes, int64_t light_min_rows, int64_t q4k_l2_bytes,
+                            int64_t i16_few_bytes) {
     q8_prefetch = bytes < 0 ? 0 : bytes;
     q8_light_rows = light_min_rows < 1 ? 1 : light_min_rows;
     q8_k4_l2 = q4k_l2_bytes < 0 ? 0 : q4k_l2_bytes;
+    q8_i16_few = i16_few_bytes < 0 ? 0 : i16_few_bytes;
 }
 /* A packed Q4_K record's prefetches (rb bytes from rec), per the policy above. */
 #define Q8_K4_PREFETCH(rec, rb)                                                              \
