@@ -245,6 +245,10 @@ class _Child:
 
 def _render_spec(tokenizer: Any) -> tuple[Any, ...]:
     """What the child needs to render as `tokenizer` does (see the module docstring)."""
+    from slotserve.checkpoint.saved_tokenizer import SavedTokenizer
+
+    if isinstance(tokenizer, SavedTokenizer):  # checked first: the front has no transformers
+        return ("template", tokenizer.chat_template, dict(tokenizer.special_tokens_map))
     from transformers import PreTrainedTokenizerBase
 
     if (isinstance(tokenizer, PreTrainedTokenizerBase) and type(tokenizer).apply_chat_template

@@ -30,6 +30,8 @@ from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from slotserve.checkpoint.saved_tokenizer import SavedTokenizer
+
 
 def check_session_chunk(session_spec: StructuredOutputsParams | None,
                         params: SamplingParams | None) -> None:
@@ -47,7 +49,8 @@ def check_session_chunk(session_spec: StructuredOutputsParams | None,
 
 
 class LLMEngine:
-    def __init__(self, engine_core: EngineCoreClient, tokenizer: PreTrainedTokenizerBase,
+    def __init__(self, engine_core: EngineCoreClient,
+                 tokenizer: PreTrainedTokenizerBase | SavedTokenizer,
                  model_config: ModelConfig) -> None:
         self.engine_core = engine_core
         self.tokenizer = tokenizer

@@ -1,13 +1,14 @@
 """llguidance behind the engine's grammar interface.
 
 `GuidanceBackend` turns grammar texts into compiled matchers for one tokenizer (built lazily,
-once, from the model's Hugging Face fast tokenizer); `GuidanceGrammar` is one request's
+once, from the model's fast tokenizer); `GuidanceGrammar` is one request's
 matcher, a copy of the compiled one, seen by the scheduler through
 slotserve.core.structured_output.StructuredOutputGrammar.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import llguidance
 import numpy as np
 import numpy.typing as npt
+from tokenizers import Tokenizer
 
 from slotserve.errors import InvariantViolation, SlotServeError
 from slotserve.memory import trim_heap
@@ -96,13 +98,29 @@ class GuidanceGrammar:
             raise InvariantViolation(self.matcher.get_error() or "rollback failed")
 
 
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for a fast tokenizer (transformers' or a SavedTokenizer): what
+    `llguidance.hf.from_tokenizer` builds (the Rust tokenizer's JSON without padding or
+    truncation), without importing transformers (20 MB resident) into the engine core."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise GrammarCompileError(f"structured outputs need a fast tokenizer, not "
+                                  f"{type(tokenizer).__name__}")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    eos: list[int] | int | None = list(eos_ids) or getattr(tokenizer, "eos_token_id", None)
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, len(tokenizer)),
+                                  eos_token=eos)
+
+
 class GuidanceBackend:
     """Compiles grammar texts for one tokenizer; thread-safe (compiles run off the step
     loop)."""
 
     def __init__(self, load_tokenizer: Callable[[], tuple[Any, Sequence[int]]],
                  vocab_size: int) -> None:
-        """`load_tokenizer()` gives the model's Hugging Face tokenizer and its EOS ids (the
+        """`load_tokenizer()` gives the model's fast tokenizer and its EOS ids (the
         tokens a complete grammar allows); `vocab_size` is the width of the model's logits."""
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
@@ -115,22 +133,13 @@ class GuidanceBackend:
         engines that never see a grammar never pay for it."""
         with self._lock:
             if self._tokenizer is None:
-                # Imported here: it imports transformers (20 MB resident), which an engine
-                # core that never sees a grammar does not need.
-                import llguidance.hf
-
-                hf, eos_ids = self._load_tokenizer()
+                tokenizer, eos_ids = self._load_tokenizer()
                 try:
-                    self._tokenizer = llguidance.hf.from_tokenizer(
-                        hf, n_vocab=max(self.vocab_size, len(hf)),
-                        eos_token=list(eos_ids) or None)
-                except ValueError as exc:  # a slow (Python) tokenizer
-                    raise GrammarCompileError(
-                        f"structured outputs need a fast tokenizer: {exc}") from exc
+                    self._tokenizer = ll_tokenizer(tokenizer, self.vocab_size, eos_ids)
                 finally:
-                    # The Hugging Face tokenizer and the build's temporaries (about 400 MB for
-                    # a 262k vocabulary) are garbage now: hand their heap back.
-                    del hf
+                    # The tokenizer and the build's temporaries (about 400 MB for a 262k
+                    # vocabulary) are garbage now: hand their heap back.
+                    del tokenizer
                     trim_heap()
             return self._tokenizer
 

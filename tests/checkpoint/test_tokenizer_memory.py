@@ -1,6 +1,7 @@
 """What building a GGUF file's tokenizer leaves in a process without torch (the server's
 front): transformers' GGUF conversion imports torch, so such a process builds the cache entry
-in a child and only loads the saved tokenizer, and still raises the build's ModelLoadError."""
+in a child and only loads the saved tokenizer (without transformers), and still raises the
+build's ModelLoadError."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ try:
 except ModelLoadError as exc:
     out["error"] = str(exc)
 out["torch"] = "torch" in sys.modules
+out["transformers"] = "transformers" in sys.modules
 print(json.dumps(out))
 """
 
@@ -48,6 +50,8 @@ def test_cold_build_keeps_torch_out(tmp_path: Path, bundled_gguf: BundledGGUF) -
     cold = load_in_fresh_process(path, tmp_path / "cache")  # builds the entry
     warm = load_in_fresh_process(path, tmp_path / "cache")  # loads it
     assert cold["torch"] is False and warm["torch"] is False
+    # Nor transformers: the front tokenizes with the saved Rust tokenizer (SavedTokenizer).
+    assert cold["transformers"] is False and warm["transformers"] is False
     # The same ids as a tokenizer built here, in a process that has torch.
     expected = load_tokenizer(path)("To be, or not")["input_ids"]
     assert cold["ids"] == warm["ids"] == expected
