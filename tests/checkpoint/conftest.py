@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -56,6 +57,20 @@ def loaded(gemma: Path) -> tuple[Any, Any, Any]:
     model, cfg = load_model(gemma, dtype="float32", device="cpu", max_positions=1025,
                             quantization="exact")
     return model, cfg, load_tokenizer(gemma)
+
+
+@pytest.fixture(scope="package")
+def float32_run(gemma: Path, loaded: tuple[Any, Any, Any]) -> SimpleNamespace:
+    """The proof prompts in one batch on a fresh engine over `loaded` with a float32 KV cache
+    (test_gemma_proof.batched_run): `.outputs` (RequestOutputs, top-5 logprobs) and
+    `.prefix_cache_hits` (the engine's count after the run). test_gemma_proof.py holds it to
+    transformers and test_gemma_kv_dtype.py holds the 16- and 8-bit caches to it: the same
+    run, made once for the package (a minute on the loaded machine); nothing else runs on its
+    engine."""
+    from tests.checkpoint.test_gemma_proof import batched_run
+
+    llm, outputs = batched_run(gemma, loaded, "float32")
+    return SimpleNamespace(outputs=outputs, prefix_cache_hits=llm.get_stats().prefix_cache_hits)
 
 
 @pytest.fixture(scope="package")

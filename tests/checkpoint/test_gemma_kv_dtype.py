@@ -11,49 +11,36 @@ apart.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
-from slotserve import SamplingParams
-from tests.checkpoint.test_gemma_proof import PROMPTS, make_llm
+from tests.checkpoint.test_gemma_proof import batched_run
 from tests.worker.test_kv_cache_dtype import follows_reference
 
 pytestmark = pytest.mark.gemma
 
-NEW_TOKENS = 32
-PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
 # A "near tie": the token the quantized cache chose was within this many nats of the float32
 # run's choice, at the first step where they differ.
 MARGIN = {"bfloat16": 0.1, "float16": 0.1, "int8": 0.1}
 
 
-# `gemma` and `loaded` (exact: float32 activations, so that only the KV cache's storage
+# `gemma`, `loaded` (exact: float32 activations, so that only the KV cache's storage
 # differs between runs; 8-bit activations would turn its small differences into rounding
-# flips) are tests/checkpoint/conftest.py's.
-
-
-def generate(gemma: Path, loaded: tuple[Any, Any, Any], kv_cache_dtype: str) -> list[Any]:
-    llm = make_llm(gemma, loaded, num_blocks=160, max_num_seqs=8,
-                   kv_cache_dtype=kv_cache_dtype)
-    runner = llm.llm_engine.engine_core.engine_core.model_runner
-    assert runner.native_decode
-    assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
-    return [o.outputs[0] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-
-
-@pytest.fixture(scope="module")
-def float32_run(gemma: Path, loaded: tuple[Any, Any, Any]) -> list[Any]:
-    return generate(gemma, loaded, "float32")
+# flips) and `float32_run` (the same prompts in one batch with a float32 cache, on the same
+# engine settings as the runs here: test_gemma_proof.batched_run, which test_gemma_proof.py
+# also holds to transformers) are tests/checkpoint/conftest.py's.
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "int8"])
 def test_greedy_follows_the_float32_cache(gemma: Path, loaded: tuple[Any, Any, Any],
-                                          float32_run: list[Any], kv_cache_dtype: str) -> None:
-    outs = generate(gemma, loaded, kv_cache_dtype)
+                                          float32_run: SimpleNamespace,
+                                          kv_cache_dtype: str) -> None:
+    outs = [o.outputs[0] for o in batched_run(gemma, loaded, kv_cache_dtype)[1]]
+    reference = [o.outputs[0] for o in float32_run.outputs]
     diverged = [follows_reference(r, g, MARGIN[kv_cache_dtype])
-                for r, g in zip(float32_run, outs, strict=True)]
+                for r, g in zip(reference, outs, strict=True)]
     same = sum(d is None for d in diverged)
     print(f"{kv_cache_dtype}: {same}/{len(outs)} continuations identical to float32's; the "
           f"others first differ at (step, float32's logprob gap there): "

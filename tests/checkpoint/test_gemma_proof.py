@@ -19,6 +19,7 @@ import gc
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,6 +50,8 @@ PROMPTS = [
     LONG,
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+# The batched run: the top 5 logprobs too, which test_gemma_kv_dtype.py reads at divergences.
+BATCHED = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +100,20 @@ def make_llm(gemma: Path, loaded: tuple[Any, Any, Any], **kwargs: Any) -> LLM:
     return LLM(llm_engine=LLMEngine(InprocClient(EngineCore(config, runner)), tokenizer, cfg))
 
 
+def batched_run(gemma: Path, loaded: tuple[Any, Any, Any], kv_cache_dtype: str
+                ) -> tuple[LLM, list[Any]]:
+    """PROMPTS in one batch on a fresh engine with the KV cache in `kv_cache_dtype`, every
+    layer reading it through the native decode kernel. In float32 this is the package's
+    `float32_run` (tests/checkpoint/conftest.py), run once: the batched run this module holds
+    to transformers and the reference test_gemma_kv_dtype.py holds the 16- and 8-bit caches
+    to."""
+    llm = make_llm(gemma, loaded, num_blocks=160, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype)
+    runner = llm.llm_engine.engine_core.engine_core.model_runner
+    assert runner.native_decode
+    assert runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    return llm, llm.generate(PROMPTS, BATCHED, use_tqdm=False)
+
+
 def check(outs: list[Any], reference: list[tuple[list[int], list[float]]]) -> float:
     """Tokens equal, logprobs within LOGPROB_TOL; returns the largest logprob difference."""
     worst = 0.0
@@ -112,16 +129,19 @@ def check(outs: list[Any], reference: list[tuple[list[int], list[float]]]) -> fl
 
 def test_one_by_one_then_batched_then_prefix_hits(gemma: Path, loaded: tuple[Any, Any, Any],
                                                   prompt_ids: list[list[int]],
-                                                  hf_reference: list[Any]) -> None:
+                                                  hf_reference: list[Any],
+                                                  float32_run: SimpleNamespace) -> None:
     llm = make_llm(gemma, loaded, num_blocks=512)
     inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
     singles = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in inputs]
     check(singles, hf_reference)
-    llm.reset_prefix_cache()
-    before = llm.get_stats().prefix_cache_hits
-    batched = llm.generate(inputs, GREEDY, use_tqdm=False)
+    # Batched on a fresh engine (batched_run, shared with test_gemma_kv_dtype.py): the same
+    # prompt ids, and a fresh cache: nothing to hit.
+    batched = float32_run.outputs
+    assert [o.prompt_token_ids for o in batched] == prompt_ids
     check(batched, hf_reference)
-    assert llm.get_stats().prefix_cache_hits == before  # a fresh cache: nothing to hit
+    assert float32_run.prefix_cache_hits == 0
+    # Batched again on the engine that ran them one by one: every prompt from its cache.
     again = llm.generate(inputs, GREEDY, use_tqdm=False)
     check(again, hf_reference)
     # Every prompt but the shortest ones came back from the cache (all but the last token).

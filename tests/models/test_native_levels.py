@@ -28,6 +28,15 @@ def cc() -> str:
     return found
 
 
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One build folder for the kv-dtype tests: compile_library builds each level's kernel
+    into it once and every later test at that level loads that library, one build per level
+    instead of one per test. Building is what test_decode_attention_at_every_level and
+    test_levels_are_cached_apart test, each in a folder of its own."""
+    return tmp_path_factory.mktemp("native_levels")
+
+
 def dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     nd, heads, dim = q.shape
@@ -95,7 +104,7 @@ SHAPES = [(3, 3, 16, 5), (6, 2, 48, 4), (4, 1, 256, 16), (5, 1, 32, 7), (8, 2, 6
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16, torch.int8],
                          ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("level", LEVELS, ids=lambda lv: lv.name)
-def test_each_kv_dtype_reads_as_its_float32_values(cc: str, tmp_path: Path,
+def test_each_kv_dtype_reads_as_its_float32_values(cc: str, build_dir: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    level: native_build.CpuLevel,
                                                    kv_dtype: torch.dtype,
@@ -105,7 +114,7 @@ def test_each_kv_dtype_reads_as_its_float32_values(cc: str, tmp_path: Path,
     the same), within float rounding for int8 (its scale is applied after the dot product).
     Contexts end inside, at the end of and at the start of a block, one under a window."""
     heads, kvh, dim, bs = shape
-    level_kernel(cc, tmp_path, monkeypatch, level)
+    level_kernel(cc, build_dir, monkeypatch, level)
     gen = torch.Generator().manual_seed(heads * dim + bs)
     nd, nblocks = 4, 40
     x_k = torch.randn(nblocks, bs, kvh, dim, generator=gen)
