@@ -123,8 +123,10 @@ class SavedTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     # -- the real thing, for code that needs it
-    @functools.cached_property
-    def _hf(self) -> PreTrainedTokenizerFast:
+    @functools.cache  # noqa: B019 - one per tokenizer, which lives as long as its engine
+    def to_hf(self) -> PreTrainedTokenizerFast:
+        """transformers' fast tokenizer over the same file (built once; imports transformers
+        and holds a second copy of the vocabulary)."""
         from transformers import PreTrainedTokenizerFast
 
         # transformers leaves this constructor untyped (*args, **kwargs).
@@ -132,8 +134,3 @@ class SavedTokenizer:
             tokenizer_file=str(self.tokenizer_file), **self.special_tokens_map)
         tok.chat_template = self.chat_template
         return tok
-
-    def to_hf(self) -> PreTrainedTokenizerFast:
-        """transformers' fast tokenizer over the same file (built once; imports transformers
-        and holds a second copy of the vocabulary)."""
-        return self._hf

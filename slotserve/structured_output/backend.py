@@ -16,8 +16,8 @@ from typing import Any
 import llguidance
 import numpy as np
 import numpy.typing as npt
-from tokenizers import Tokenizer
 
+from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.errors import InvariantViolation, SlotServeError
 from slotserve.memory import trim_heap
 from slotserve.structured_output.limits import error_excerpt, parser_limits
@@ -102,11 +102,10 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> llg
     """llguidance's tokenizer for a fast tokenizer (transformers' or a SavedTokenizer): what
     `llguidance.hf.from_tokenizer` builds (the Rust tokenizer's JSON without padding or
     truncation), without importing transformers (20 MB resident) into the engine core."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not isinstance(backend, Tokenizer):
-        raise GrammarCompileError(f"structured outputs need a fast tokenizer, not "
-                                  f"{type(tokenizer).__name__}")
-    backend = copy.copy(backend)
+    try:
+        backend = copy.copy(backend_tokenizer(tokenizer))
+    except TypeError as exc:  # a slow (Python) tokenizer
+        raise GrammarCompileError(f"structured outputs need a fast tokenizer: {exc}") from exc
     backend.no_padding()
     backend.no_truncation()
     eos: list[int] | int | None = list(eos_ids) or getattr(tokenizer, "eos_token_id", None)
