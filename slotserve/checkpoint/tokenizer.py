@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import Tokenizer
+
 from slotserve.checkpoint import cache
 from slotserve.checkpoint.chat_render import check_template_syntax
 from slotserve.checkpoint.chat_templates import fallback_chat_template
@@ -34,6 +36,14 @@ if TYPE_CHECKING:  # transformers takes a while to import; it is loaded on first
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+def backend_tokenizer(tokenizer: Any) -> Tokenizer:
+    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself)."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not isinstance(backend, Tokenizer):
+        raise TypeError(f"a fast (Rust-backed) tokenizer is needed, not {type(tokenizer)}")
+    return backend
 
 _TOKENIZER = "tokenizer.json"
 _NOTES = "slotserve.json"  # special tokens and chat template; what slotserve decided

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -21,14 +20,6 @@ from slotserve.sampling_params import SamplingParams
 _REPLACEMENT = "\ufffd"
 # Prompt tokens used as decoding context for the first generated tokens.
 _PROMPT_CONTEXT_TOKENS = 5
-
-
-def backend_tokenizer(tokenizer: Any) -> Tokenizer:
-    """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself)."""
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    if not isinstance(backend, Tokenizer):
-        raise TypeError(f"a fast (Rust-backed) tokenizer is needed, not {type(tokenizer)}")
-    return backend
 
 
 @functools.lru_cache(maxsize=8)

@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from slotserve.checkpoint.tokenizer import backend_tokenizer
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.core_client import EngineCoreClient, EngineMode, make_client
-from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from slotserve.engine.output_processor import OutputProcessor

@@ -16,8 +16,8 @@ from typing import Any
 from jinja2 import TemplateError
 
 from slotserve.checkpoint.chat_render import ChatRenderer
+from slotserve.checkpoint.tokenizer import backend_tokenizer
 from slotserve.core.request import validate_token_ids
-from slotserve.engine.detokenizer import backend_tokenizer
 from slotserve.engine.messages import EngineCoreRequest
 from slotserve.errors import RequestValidationError
 from slotserve.lora.request import LoRAAdapterError, LoRARequest

@@ -17,7 +17,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
-from slotserve.engine.detokenizer import backend_tokenizer
+from slotserve.checkpoint.tokenizer import backend_tokenizer
 from slotserve.errors import InvariantViolation, SlotServeError
 from slotserve.memory import trim_heap
 from slotserve.structured_output.limits import error_excerpt, parser_limits

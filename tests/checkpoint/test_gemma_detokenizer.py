@@ -10,7 +10,8 @@ import pytest
 from tokenizers.decoders import DecodeStream
 
 from slotserve.checkpoint import load_tokenizer
-from slotserve.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from slotserve.checkpoint.tokenizer import backend_tokenizer
+from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gemma

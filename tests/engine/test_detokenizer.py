@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from slotserve.engine.detokenizer import IncrementalDetokenizer, backend_tokenizer
+from slotserve.checkpoint.tokenizer import backend_tokenizer
+from slotserve.engine.detokenizer import IncrementalDetokenizer
 from slotserve.sampling_params import SamplingParams
 from tests.helpers import TOKENIZER_BOS as BOS, TOKENIZER_EOS as EOS
 
