@@ -4,6 +4,8 @@ real Gemma 3 file loaded once for the tests that build engines over it."""
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from slotserve.checkpoint import load_tokenizer
 from slotserve.engine.args import DEFAULT_MODEL
@@ -60,17 +63,32 @@ def loaded(gemma: Path) -> tuple[Any, Any, Any]:
 
 
 @pytest.fixture(scope="package")
-def float32_run(gemma: Path, loaded: tuple[Any, Any, Any]) -> SimpleNamespace:
+def float32_run(gemma: Path, request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """The proof prompts in one batch on a fresh engine over `loaded` with a float32 KV cache
     (test_gemma_proof.batched_run): `.outputs` (RequestOutputs, top-5 logprobs) and
     `.prefix_cache_hits` (the engine's count after the run). test_gemma_proof.py holds it to
     transformers and test_gemma_kv_dtype.py holds the 16- and 8-bit caches to it: the same
-    run, made once for the package (a minute on the loaded machine); nothing else runs on its
-    engine."""
+    run, made once (a minute on the loaded machine); nothing else runs on its engine. Under
+    pytest-xdist the first worker to ask makes it and the others read it from the session's
+    shared temporary folder, so the run is not made once per worker."""
     from tests.checkpoint.test_gemma_proof import batched_run
 
-    llm, outputs = batched_run(gemma, loaded, "float32")
-    return SimpleNamespace(outputs=outputs, prefix_cache_hits=llm.get_stats().prefix_cache_hits)
+    def make() -> SimpleNamespace:
+        llm, outputs = batched_run(gemma, request.getfixturevalue("loaded"), "float32")
+        return SimpleNamespace(outputs=outputs,
+                               prefix_cache_hits=llm.get_stats().prefix_cache_hits)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    shared = tmp_path_factory.getbasetemp().parent / "gemma_float32_run.pickle"
+    with FileLock(f"{shared}.lock"):
+        if shared.is_file():
+            run: SimpleNamespace = pickle.loads(shared.read_bytes())
+            return run
+        run = make()
+        shared.write_bytes(pickle.dumps(run))
+        return run
 
 
 @pytest.fixture(scope="package")

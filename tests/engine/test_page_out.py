@@ -15,6 +15,9 @@ import pytest
 from slotserve.memory import PAGE_OUT_ENV, library_resident_bytes, page_out_libraries
 from tests.helpers import REPO, serve_process
 
+# Which libtorch pages stay resident depends on every process that maps them: run alone.
+pytestmark = pytest.mark.serial
+
 MIB = 2**20
 
 # Imports torch, runs a few operators, pages out, runs them again: torch's import-time code
