@@ -23,7 +23,13 @@ from ray.serve.request_router import (
 )
 
 from slotserve.ray.state import avoided, model_reports, router_loads, set_live_replicas
-from slotserve.routing.policy import PolicyConfig, Reservations, RouterPolicy, RoutingPolicy
+from slotserve.routing.policy import (
+    InFlight,
+    PolicyConfig,
+    Reservations,
+    RouterPolicy,
+    RoutingPolicy,
+)
 
 # A replica that reports an empty queue and was sent nothing for this long holds none of this
 # router's requests: a count above zero then is a completion Ray never reported, and left
@@ -52,9 +58,9 @@ class PrefixAwareRouter(RequestRouter):
         self._policy = RoutingPolicy(policy, PolicyConfig(
             imbalanced_threshold=imbalanced_threshold, load_weight=load_weight), seed=seed)
         self._model = model
-        # The router's in-flight requests per replica (its load term), shared with the
-        # ingress's /metrics.
-        self._inflight: dict[str, int] = router_loads(model)
+        # The router's in-flight requests per replica (its load term); the counts are shared
+        # with the ingress's /metrics.
+        self._inflight = InFlight(router_loads(model))
         # Decisions Ray has not confirmed yet (Reservations says why they count as load).
         self._reserved = Reservations()
         self._last_routed: dict[str, float] = {}
@@ -72,14 +78,15 @@ class PrefixAwareRouter(RequestRouter):
                 self._seen_stats[rid] = id(stats)
                 self._policy.index.report(rid, stats.get("hashes", ()), now)
                 reports[rid] = stats
-                if (stats.get("queue") == 0 and self._inflight.get(rid)
+                if (stats.get("queue") == 0 and self._inflight.loads.get(rid)
                         and now - self._last_routed.get(rid, 0.0) > STALE_INFLIGHT_S):
-                    self._inflight[rid] = 0
+                    self._inflight.clear(rid)
         for rid in [k for k in reports if k not in live]:
             del reports[rid]
         self._policy.index.retain(live)
-        for rid in [k for k in self._inflight if k not in live]:
-            del self._inflight[rid]
+        for rid in [k for k in self._inflight.loads if k not in live]:
+            self._inflight.clear(rid)
+            del self._inflight.loads[rid]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -101,7 +108,8 @@ class PrefixAwareRouter(RequestRouter):
             by_id = {rid: by_id[rid] for rid in healthy}
         now = time.monotonic()
         self._reserved.expire(now)
-        loads = {rid: self._inflight.get(rid, 0) + self._reserved.count(rid) for rid in by_id}
+        loads = {rid: self._inflight.loads.get(rid, 0) + self._reserved.count(rid)
+                 for rid in by_id}
         ranking = self._policy.rank(_hashes_of(pending_request), list(by_id), loads)
         if ranking:
             self._reserved.reserve(ranking[0], now)
@@ -115,8 +123,7 @@ class PrefixAwareRouter(RequestRouter):
             self._reserved.settle(rid, now)
         self._policy.routed(rid, _hashes_of(pending_request), now)
         self._last_routed[rid] = now
-        self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        self._inflight.routed(pending_request.metadata.internal_request_id, rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        rid = replica_id.unique_id
-        self._inflight[rid] = max(0, self._inflight.get(rid, 0) - 1)
+        self._inflight.completed(internal_request_id, replica_id.unique_id, time.monotonic())

@@ -162,6 +162,53 @@ class Reservations:
         return len(self._queue)
 
 
+class InFlight:
+    """The requests a router has on each replica (its load term). Ray Serve registers a
+    request's completion callback before it waits for the replica's acceptance, so a request
+    answered within that wait completes (`on_request_completed`) before it is routed
+    (`on_request_routed`); a bare counter then went 0 -> 0 -> 1 and kept the replica looking
+    busy for good, so every cold request went to the other one. So calls are matched by
+    (request id, replica): one HTTP request's calls share its id (a WebSocket session's
+    messages overlap on one replica; a refused call completes on the replica that refused it
+    and is routed to another), and a completion not routed yet waits for its routing, or
+    lapses after `ttl_s`."""
+
+    def __init__(self, loads: dict[str, int], ttl_s: float = 60.0) -> None:
+        self.loads = loads  # replica id -> calls in flight; updated in place
+        self.ttl_s = ttl_s
+        self._open: Counter[tuple[str, str]] = Counter()
+        self._early: dict[tuple[str, str], deque[float]] = {}
+
+    def routed(self, request_id: str, replica_id: str) -> None:
+        key = (request_id, replica_id)
+        early = self._early.get(key)
+        if early:
+            early.popleft()
+            if not early:
+                del self._early[key]
+            return
+        self._open[key] += 1
+        self.loads[replica_id] = self.loads.get(replica_id, 0) + 1
+
+    def completed(self, request_id: str, replica_id: str, now: float) -> None:
+        key = (request_id, replica_id)
+        if self._open[key] > 0:
+            self._open[key] -= 1
+            if not self._open[key]:
+                del self._open[key]
+            self.loads[replica_id] = max(0, self.loads.get(replica_id, 0) - 1)
+            return
+        self._early.setdefault(key, deque()).append(now)
+        for k in [k for k, times in self._early.items() if now - times[-1] > self.ttl_s]:
+            del self._early[k]
+
+    def clear(self, replica_id: str) -> None:
+        """Forget every call on a replica (it holds none of them)."""
+        for key in [k for k in self._open if k[1] == replica_id]:
+            del self._open[key]
+        self.loads[replica_id] = 0
+
+
 def _pow2(replica_ids: Sequence[str], loads: Mapping[str, int],
           rng: random.Random) -> list[str]:
     picked = rng.sample(list(replica_ids), min(2, len(replica_ids)))

@@ -13,6 +13,7 @@ from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.request import Request
 from slotserve.lora.request import LoRARequest
 from slotserve.routing.policy import (
+    InFlight,
     PolicyConfig,
     PrefixIndex,
     Reservations,
@@ -171,6 +172,38 @@ def test_reservations_settle_on_their_replica_and_lapse() -> None:
     assert (r.count("a"), len(r)) == (0, 0)
     r.settle("a", 3.0)  # nothing left: nothing goes negative
     assert r.count("a") == 0
+
+
+def test_in_flight_counts_survive_a_completion_before_its_routing() -> None:
+    # Ray Serve may call on_request_completed before on_request_routed (a fast answer beats
+    # the acceptance), and completes a refused request on the replica that refused it.
+    loads = {"a": 0, "b": 0}
+    f = InFlight(loads, ttl_s=60.0)
+    f.routed("r1", "a")
+    f.completed("r2", "b", 0.0)  # answered before its routing was heard
+    f.routed("r2", "b")
+    assert loads == {"a": 1, "b": 0}
+    f.completed("r1", "a", 1.0)
+    assert loads == {"a": 0, "b": 0}
+    f.completed("r3", "a", 2.0)  # refused by a, then routed to b and answered there
+    f.routed("r3", "b")
+    assert loads["b"] == 1
+    f.completed("r3", "b", 3.0)
+    assert loads == {"a": 0, "b": 0}
+    f.routed("r4", "a")
+    f.routed("r5", "a")
+    f.clear("a")  # a reports an empty queue: whatever was open there is forgotten
+    f.completed("r4", "a", 4.0)
+    assert loads["a"] == 0
+    f.routed("ws", "b")  # a session's messages overlap on one replica under one id
+    f.routed("ws", "b")
+    f.completed("ws", "b", 5.0)
+    f.completed("ws", "b", 5.1)
+    assert loads["b"] == 0
+    f.completed("old", "a", 10.0)
+    f.completed("new", "a", 80.0)  # the refused-and-never-routed ones lapse
+    f.routed("old", "a")
+    assert loads["a"] == 1
 
 
 def test_a_burst_of_cold_requests_does_not_herd() -> None:
