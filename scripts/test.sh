@@ -19,4 +19,6 @@ if [ "$#" -gt 0 ]; then
 fi
 .venv/bin/python -m pytest -p no:cacheprovider -n "${SLOTSERVE_TEST_WORKERS:-2}" \
   --dist worksteal -m "not serial" --durations=15
-.venv/bin/python -m pytest -p no:cacheprovider -m serial
+# Only the files that hold serial tests are imported: collecting the whole suite imports torch
+# into pytest's own process, and pages it maps stay resident in the children too.
+.venv/bin/python -m pytest -p no:cacheprovider -m serial $(grep -rl "pytest.mark.serial" tests)

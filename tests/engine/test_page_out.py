@@ -15,7 +15,8 @@ import pytest
 from slotserve.memory import PAGE_OUT_ENV, library_resident_bytes, page_out_libraries
 from tests.helpers import REPO, serve_process
 
-# Which libtorch pages stay resident depends on every process that maps them: run alone.
+# Which libtorch pages stay resident depends on every process that maps them, pytest's own
+# included (collecting the whole suite imports torch): scripts/test.sh runs this file alone.
 pytestmark = pytest.mark.serial
 
 MIB = 2**20
