@@ -199,8 +199,16 @@ class InFlight:
             self.loads[replica_id] = max(0, self.loads.get(replica_id, 0) - 1)
             return
         self._early.setdefault(key, deque()).append(now)
-        for k in [k for k, times in self._early.items() if now - times[-1] > self.ttl_s]:
-            del self._early[k]
+        # Keys sit in the order of their oldest early completion: lapse from the front.
+        while True:
+            first, times = next(iter(self._early.items()))
+            if now - times[0] <= self.ttl_s:
+                break
+            del self._early[first]
+            while times and now - times[0] > self.ttl_s:
+                times.popleft()
+            if times:  # newer ones of that key stay, in order of their oldest
+                self._early[first] = times
 
     def clear(self, replica_id: str) -> None:
         """Forget every call on a replica (it holds none of them)."""

@@ -201,8 +201,12 @@ def test_in_flight_counts_survive_a_completion_before_its_routing() -> None:
     f.completed("ws", "b", 5.1)
     assert loads["b"] == 0
     f.completed("old", "a", 10.0)
+    f.completed("twice", "a", 11.0)
+    f.completed("twice", "a", 75.0)
     f.completed("new", "a", 80.0)  # the refused-and-never-routed ones lapse
     f.routed("old", "a")
+    assert loads["a"] == 1
+    f.routed("twice", "a")  # its completion at 75 s is still waiting for it
     assert loads["a"] == 1
 
 
