@@ -37,6 +37,9 @@ if TYPE_CHECKING:  # transformers takes a while to import; it is loaded on first
 
 logger = logging.getLogger(__name__)
 
+_TOKENIZER = "tokenizer.json"
+_NOTES = "slotserve.json"  # special tokens and chat template; what slotserve decided
+
 
 def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     """The Rust `tokenizers.Tokenizer` behind a transformers fast tokenizer (or itself)."""
@@ -44,9 +47,6 @@ def backend_tokenizer(tokenizer: Any) -> Tokenizer:
     if not isinstance(backend, Tokenizer):
         raise TypeError(f"a fast (Rust-backed) tokenizer is needed, not {type(tokenizer)}")
     return backend
-
-_TOKENIZER = "tokenizer.json"
-_NOTES = "slotserve.json"  # special tokens and chat template; what slotserve decided
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | SavedTokenizer:

@@ -85,8 +85,7 @@ class PrefixAwareRouter(RequestRouter):
             del reports[rid]
         self._policy.index.retain(live)
         for rid in [k for k in self._inflight.loads if k not in live]:
-            self._inflight.clear(rid)
-            del self._inflight.loads[rid]
+            self._inflight.clear(rid, gone=True)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -210,11 +210,15 @@ class InFlight:
             if times:  # newer ones of that key stay, in order of their oldest
                 self._early[first] = times
 
-    def clear(self, replica_id: str) -> None:
-        """Forget every call on a replica (it holds none of them)."""
+    def clear(self, replica_id: str, gone: bool = False) -> None:
+        """Forget every call on a replica: it holds none of them (its count is 0), or it is
+        `gone` (its count goes too)."""
         for key in [k for k in self._open if k[1] == replica_id]:
             del self._open[key]
-        self.loads[replica_id] = 0
+        if gone:
+            self.loads.pop(replica_id, None)
+        else:
+            self.loads[replica_id] = 0
 
 
 def _pow2(replica_ids: Sequence[str], loads: Mapping[str, int],
