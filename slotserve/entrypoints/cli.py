@@ -190,7 +190,9 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     lim = p.add_argument_group("limits (README: Limits)")
     d = ServerLimits()
     lim.add_argument("--max-request-body-bytes", type=int, default=d.max_body_bytes,
-                     help="larger bodies get 413 (default %(default)s)")
+                     help="larger bodies get 413 (default: 1 MiB + 8 bytes per token one "
+                          "client may have waiting, max-waiting-tokens x max-client-share, "
+                          "at most 8 MiB)")
     lim.add_argument("--max-ws-message-bytes", type=int, default=d.max_ws_message_bytes,
                      help="a larger WebSocket message closes the session with 1009 "
                           "(default %(default)s)")

@@ -162,7 +162,7 @@ class OpenAIIngress:
         if path == "/metrics" and raw.method == "GET":
             return Response(render_metrics(replica_reports(), all_router_loads()),
                             media_type=CONTENT_TYPE_LATEST)
-        body = await read_body(raw, self.limits.max_body_bytes,
+        body = await read_body(raw, self.limits.body_limit,
                                self.limits.timeout_request_read_s)
         headers = [(k, v) for k, v in raw.scope["headers"] if k != b"content-length"]
         query = raw.scope.get("query_string", b"")

@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from slotserve.entrypoints.openai.api_server import build_app
+from slotserve.entrypoints.openai.limits import MIB, ServerLimits, default_max_body_bytes
 from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, Served
 
 CMPL = "/v1/completions"
@@ -82,8 +84,10 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature-absurd", CMPL, cmpl(temperature=1e300), 400, "temperature"),
     ("repetition-penalty-tiny", CMPL, cmpl(repetition_penalty=1e-300), 400,
      "repetition_penalty"),
-    ("stop-token-ids-800k", CMPL, cmpl(stop_token_ids=list(range(800_000))), 400,
+    ("stop-token-ids-100k", CMPL, cmpl(stop_token_ids=list(range(100_000))), 400,
      "stop_token_ids"),
+    ("stop-token-ids-800k-over-the-body-cap", CMPL, cmpl(stop_token_ids=list(range(800_000))),
+     413, None),
     ("stop-token-id-out-of-vocab", CMPL, cmpl(stop_token_ids=[10**7]), 400, "stop_token_ids"),
     ("stop-string-too-long", CMPL, cmpl(stop=["x" * 10_000]), 400, "stop"),
     ("logit-bias-too-many", CMPL, cmpl(logit_bias={str(i): 1 for i in range(5000)}), 400,
@@ -94,10 +98,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("prompts-times-n", CMPL, cmpl(prompt=["a"] * 100, n=4), 400, "n"),
     ("too-many-prompts", CMPL, cmpl(prompt=["a"] * 300), 400, "prompt"),
     ("priority-under-fcfs", CMPL, cmpl(priority=-10), 400, "priority"),
-    ("prompt-text-too-long-for-context", CMPL, cmpl(prompt="To be " * 400_000), 400, "prompt"),
+    # Under the body cap (about 1.2 MiB for this engine), over what 512 tokens can spell.
+    ("prompt-text-too-long-for-context", CMPL, cmpl(prompt="To be " * 150_000), 400, "prompt"),
     ("chat-too-long-for-context", CHAT, chat(messages=[{"role": "user",
-                                                        "content": "ab " * 500_000}]), 400,
+                                                        "content": "ab " * 300_000}]), 400,
      "messages"),
+    # Over it: refused from the Content-Length, unread.
+    ("prompt-text-over-the-body-cap", CMPL, cmpl(prompt="To be " * 250_000), 413, None),
 ]
 
 
@@ -140,3 +147,22 @@ def test_unknown_route_and_method(drained: Served) -> None:
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.get(f"{drained.url}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_the_body_cap_follows_what_a_client_may_have_waiting(served: Served) -> None:
+    # 1 MiB + 8 bytes per token of one client's share of the waiting tokens, at most 8 MiB:
+    # this engine (512-token context, 24 slots) admits 24,576 tokens a client.
+    limits = ServerLimits()
+    assert limits.max_body_bytes is None and limits.body_limit == 8 * MIB
+    assert default_max_body_bytes(24_576) == MIB + 8 * 24_576
+    assert default_max_body_bytes(10**7) == 8 * MIB
+    app = build_app(served.engine, served_model_names=[MODEL_NAME], shutdown_engine=False)
+    assert app.state.limits.max_body_bytes == default_max_body_bytes(
+        app.state.admission.client_max_tokens) == MIB + 8 * 24_576
+    given = build_app(served.engine, served_model_names=[MODEL_NAME], shutdown_engine=False,
+                      limits=ServerLimits(max_body_bytes=4096))
+    assert given.state.limits.max_body_bytes == 4096
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        r = http.post(CMPL, json=cmpl(prompt="To be " * 250_000))
+    assert r.status_code == 413
+    assert f"exceeds the limit of {MIB + 8 * 24_576}" in r.json()["error"]["message"]

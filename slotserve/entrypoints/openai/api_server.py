@@ -11,6 +11,7 @@ only when enabled, and then need the admin key (or the API key when there is no 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -36,7 +37,7 @@ from slotserve.entrypoints.openai.errors import (
     from_pydantic_errors,
     install_exception_handlers,
 )
-from slotserve.entrypoints.openai.limits import ServerLimits
+from slotserve.entrypoints.openai.limits import ServerLimits, default_max_body_bytes
 from slotserve.entrypoints.openai.lora_models import (
     LORA_ADMIN_PATHS,
     LoRAModels,
@@ -144,7 +145,7 @@ async def parse_body(raw: Request, model: type[M], limits: ServerLimits) -> M:
     """The body as `model`. A large one is decoded on a thread of its own (openai.body): a
     6 MB list of 800,000 ints takes 60 ms to validate, which the event loop should not wait,
     nor the threads that tokenize."""
-    body = await read_body(raw, limits.max_body_bytes, limits.timeout_request_read_s)
+    body = await read_body(raw, limits.body_limit, limits.timeout_request_read_s)
     if not body.strip():
         raise bad_request("the request body is empty; a JSON object is expected", None,
                           "invalid_json")
@@ -194,6 +195,9 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
         metrics = engine.metrics if engine.metrics is not None else ServerMetrics(names[0])
         engine.metrics = metrics
     admission = make_admission(engine, limits)
+    if limits.max_body_bytes is None:
+        limits = dataclasses.replace(
+            limits, max_body_bytes=default_max_body_bytes(admission.client_max_tokens))
     metrics.admission = admission
     completion = OpenAIServingCompletion(engine, names, admission)
     chat = OpenAIServingChat(engine, names, admission, tool_call_parser)
