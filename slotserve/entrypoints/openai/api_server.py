@@ -198,6 +198,10 @@ def build_app(engine: AsyncLLM, *, served_model_names: Sequence[str],
     if limits.max_body_bytes is None:
         limits = dataclasses.replace(
             limits, max_body_bytes=default_max_body_bytes(admission.client_max_tokens))
+        logger.info("request bodies over %d bytes are refused (1 MiB + 8 bytes for each of "
+                    "the %d tokens one client may have waiting, at most 8 MiB; "
+                    "--max-request-body-bytes sets it)", limits.max_body_bytes,
+                    admission.client_max_tokens)
     metrics.admission = admission
     completion = OpenAIServingCompletion(engine, names, admission)
     chat = OpenAIServingChat(engine, names, admission, tool_call_parser)
