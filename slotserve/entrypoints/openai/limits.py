@@ -26,11 +26,11 @@ MIB = 1024 * 1024
 # most 8 for a vocabulary under a million; text takes fewer per token) plus 1 MiB for
 # everything else (messages' structure, tools, schemas), and never more than 8 MiB (the fixed
 # cap before; a server that admits more, e.g. 256 slots of 8k tokens, keeps it). Why not only
-# a fixed size: the front reads
-# and decodes a body whole, holding the GIL, before it can refuse it for its length in
-# tokens. In the chaos run (benchmarks/chaos.py, the bundled model) three 7 MB bodies every
-# 3 s held the front's event loop: a first token that the engine had produced waited up to
-# 195 ms to be sent (p99 115 ms); refused from their Content-Length, p99 21-31 ms.
+# a fixed size: the front reads and decodes a body whole, holding the GIL, before it can
+# refuse it for its length in tokens. In the chaos run (benchmarks/chaos.py, the bundled
+# model) three 7 MB bodies every 3 s held the front's event loop: a first token that the
+# engine had produced waited up to 195 ms to be sent (p99 115 ms); refused from their
+# Content-Length, p99 21-31 ms.
 BODY_BASE_BYTES = 1 * MIB
 BODY_BYTES_PER_TOKEN = 8
 # The ceiling, and the cap where no engine is known to derive it from (the Ray ingress: its
@@ -80,7 +80,6 @@ class ServerLimits:
                 raise ConfigError(f"{name} must be >= 1")
         if not 0.0 < self.max_client_share <= 1.0:
             raise ConfigError("max_client_share must be in (0, 1]")
-
 
     @property
     def body_limit(self) -> int:
