@@ -177,15 +177,18 @@ class InFlight:
         self.loads = loads  # replica id -> calls in flight; updated in place
         self.ttl_s = ttl_s
         self._open: Counter[tuple[str, str]] = Counter()
-        self._early: dict[tuple[str, str], deque[float]] = {}
+        # Early completions in the order they came (as Reservations keeps its queue), those
+        # still waiting for their routing per call, and those a routing already took that
+        # are still in the queue (a key's entries lapse oldest first, as routings take them).
+        self._early: deque[tuple[float, tuple[str, str]]] = deque()
+        self._waiting: Counter[tuple[str, str]] = Counter()
+        self._taken: Counter[tuple[str, str]] = Counter()
 
     def routed(self, request_id: str, replica_id: str) -> None:
         key = (request_id, replica_id)
-        early = self._early.get(key)
-        if early:
-            early.popleft()
-            if not early:
-                del self._early[key]
+        if self._waiting[key] > 0:
+            _decrement(self._waiting, key)
+            self._taken[key] += 1
             return
         self._open[key] += 1
         self.loads[replica_id] = self.loads.get(replica_id, 0) + 1
@@ -193,22 +196,14 @@ class InFlight:
     def completed(self, request_id: str, replica_id: str, now: float) -> None:
         key = (request_id, replica_id)
         if self._open[key] > 0:
-            self._open[key] -= 1
-            if not self._open[key]:
-                del self._open[key]
+            _decrement(self._open, key)
             self.loads[replica_id] = max(0, self.loads.get(replica_id, 0) - 1)
             return
-        self._early.setdefault(key, deque()).append(now)
-        # Keys sit in the order of their oldest early completion: lapse from the front.
-        while True:
-            first, times = next(iter(self._early.items()))
-            if now - times[0] <= self.ttl_s:
-                break
-            del self._early[first]
-            while times and now - times[0] > self.ttl_s:
-                times.popleft()
-            if times:  # newer ones of that key stay, in order of their oldest
-                self._early[first] = times
+        self._early.append((now, key))
+        self._waiting[key] += 1
+        while now - self._early[0][0] > self.ttl_s:
+            _, old = self._early.popleft()
+            _decrement(self._taken if self._taken[old] > 0 else self._waiting, old)
 
     def clear(self, replica_id: str, gone: bool = False) -> None:
         """Forget every call on a replica: it holds none of them (its count is 0), or it is
@@ -219,6 +214,13 @@ class InFlight:
             self.loads.pop(replica_id, None)
         else:
             self.loads[replica_id] = 0
+
+
+def _decrement(counter: Counter[tuple[str, str]], key: tuple[str, str]) -> None:
+    """One less of `key` (dropped at 0, so that counters of finished calls do not grow)."""
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 def _pow2(replica_ids: Sequence[str], loads: Mapping[str, int],
