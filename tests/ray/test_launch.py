@@ -19,10 +19,12 @@ pytest.importorskip("ray.serve")
 
 from tests.ray.test_ray_serve import REPLICA_HEADER, _free_port, _ray_processes  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+# 600: the time counts its wait for test_ray_serve.py's cluster (conftest.ray_turn).
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
-def test_serve_data_parallel_streams_through_the_ingress_and_stops_clean() -> None:
+def test_serve_data_parallel_streams_through_the_ingress_and_stops_clean(ray_turn: None
+                                                                          ) -> None:
     if _ray_processes():
         pytest.skip("a Ray cluster is already running on this machine")
     port = _free_port()

@@ -87,7 +87,7 @@ def _ray_processes() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, ray_turn: None) -> Iterator[Cluster]:
     if _ray_processes():
         pytest.skip("a Ray cluster is already running on this machine")
     from transformers import AutoModelForCausalLM
