@@ -8,7 +8,8 @@ It starts `slotserve serve` on the bundled model (engine core in a child process
 engine flags given here, then:
 
 1. warm-up (10 s, not measured) and a clean run of the normal load (--clean-seconds);
-2. the same normal load while the hostile patterns run (--chaos-seconds): garbage numbers and
+2. the same normal load while the hostile patterns run (--chaos-seconds, from when the hostile
+   process has imported its libraries; its patterns all start then): garbage numbers and
    unbounded lists, 7 MB prompts and chats, a 6 MB stop-id list, bursts of 256 sequences per
    request, idle WebSocket sessions holding slots, oversized and binary frames, floods,
    input after end, idle sockets, slow headers, slow bodies, uploads cut off midway, the
@@ -201,9 +202,13 @@ def main() -> int:
             [sys.executable, str(Path(__file__).with_name("chaos_hostile.py")), url,
              "--seconds", str(args.chaos_seconds),
              "--sessions", str(args.idle_sessions or 2 * args.max_num_seqs),
-             "--skip", args.skip, "--only", args.only],
+             "--skip", args.skip, "--only", args.only, "--ready-line"],
             stdout=subprocess.PIPE,
             preexec_fn=(lambda: os.nice(args.hostile_nice)) if args.hostile_nice else None)
+        # The phase starts when the hostile process has started: its interpreter's start-up
+        # (imports, the prebuilt 7 MB bodies: about a second of one core) is not the server's.
+        assert hostile.stdout is not None
+        hostile.stdout.readline()
         during: dict[str, float] = {}
         sampler = threading.Thread(target=sample_max, args=(url, args.chaos_seconds, during))
         sampler.start()

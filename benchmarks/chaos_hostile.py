@@ -328,12 +328,16 @@ def main() -> int:
                    "names of Hostile: burst, garbage, hold_socket, idle_session, ...)")
     p.add_argument("--only", default="", help="run only these patterns, comma separated "
                    "(the same names as --skip: grammars, burst, ws_abuse, ...)")
+    p.add_argument("--ready-line", action="store_true", help="print `ready` once imported, "
+                   "before any pattern starts (chaos.py starts its phase then)")
     a = p.parse_args()
     if urlparse(a.url).hostname not in ("127.0.0.1", "localhost", "::1"):
         print("chaos_hostile talks to localhost only", file=sys.stderr)
         return 2
     skip = tuple(k for k in a.skip.split(",") if k)
     only = tuple(k for k in a.only.split(",") if k)
+    if a.ready_line:
+        print("ready", flush=True)
     counts = asyncio.run(Hostile(a.url, a.seconds, a.sessions, skip, only).run())
     print(json.dumps(counts))
     return 0

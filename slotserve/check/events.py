@@ -98,6 +98,7 @@ class Arrive:
     # > 0: under a grammar (check.grammar.CountingGrammar) complete after this many tokens.
     grammar: int = 0
     lora: int = 0  # > 0: the adapter with this id
+    client: int = 0  # > 0: a named client (the scheduler is then fair among clients)
 
     def apply(self, h: Harness) -> None:
         rid = h.new_request_id()
@@ -108,7 +109,7 @@ class Arrive:
             _params(self.max_tokens, 0 if self.grammar else self.min_tokens, self.ignore_eos),
             eos_token_id=EOS, priority=self.priority, arrival_time=h.now,
             resumable=self.resumable, structured_output_request=sor,
-            lora_request=_lora(self.lora)))
+            lora_request=_lora(self.lora), client=f"c{self.client}" if self.client else None))
         if self.resumable and rid in h.sched.requests:
             h.open_sessions.append(rid)
 
@@ -118,6 +119,7 @@ class Arrive:
                          " ignore_eos" if self.ignore_eos else "",
                          f" grammar={self.grammar}" if self.grammar else "",
                          f" lora={self.lora}" if self.lora else "",
+                         f" client={self.client}" if self.client else "",
                          " (a session)" if self.resumable else ""])
         return f"arrive {list(self.prompt)} max_tokens={self.max_tokens}{extra}"
 

@@ -65,7 +65,7 @@ class Request:
         "arrival_time", "resumable", "cache_salt", "status", "_output_token_ids",
         "_all_token_ids", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "num_preemptions", "block_hashes", "max_tokens", "structured_output_request",
-        "chunk", "lora_request", "__weakref__",
+        "chunk", "lora_request", "client", "__weakref__",
     )
 
     def __init__(
@@ -82,6 +82,7 @@ class Request:
         structured_output_request: StructuredOutputRequest | None = None,
         chunk: int = 0,
         lora_request: LoRARequest | None = None,
+        client: str | None = None,
     ) -> None:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -111,6 +112,9 @@ class Request:
         self.chunk = chunk
         # Its adapter (None: the base model); the prefix cache keys its blocks by it.
         self.lora_request = lora_request
+        # Who sent it (the server's `user` or peer address; None offline): among requests
+        # waiting for a slot, the client holding the fewest goes first (scheduler.py).
+        self.client = client
 
     # vLLM-style read access; the lists themselves are owned by the request.
     @property

@@ -54,6 +54,20 @@ class FCFSRequestQueue(_Queue):
     def pop_request(self) -> Request:
         return self._items.popleft()
 
+    def bring_forward(self, key: Callable[[Request], int]) -> None:
+        """Move the first request with the smallest key to the front (the others keep their
+        order)."""
+        q = self._items
+        best_i, best_k = 0, key(q[0])
+        for i in range(1, len(q)):
+            k = key(q[i])
+            if k < best_k:
+                best_i, best_k = i, k
+        if best_i:
+            r = q[best_i]
+            del q[best_i]
+            q.appendleft(r)
+
     def remove_requests(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         self._items = deque(r for r in self._items if id(r) not in drop)

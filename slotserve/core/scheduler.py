@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.block_pool import KVCacheBlock
+from slotserve.core.fairness import fair_key, fair_victim, slots_by_client
 from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.lora_slots import LoRASlotLedger
 from slotserve.core.output_builder import build_output
@@ -21,7 +22,7 @@ from slotserve.core.outputs import (
     SchedulerOutput,
 )
 from slotserve.core.request import CHECK_REQUESTS, Request, RequestStatus, check_new_request
-from slotserve.core.request_queue import create_request_queue
+from slotserve.core.request_queue import FCFSRequestQueue, create_request_queue
 from slotserve.core.sched_utils import SchedulerStats, append_generated, make_stats
 from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
@@ -57,6 +58,9 @@ class Scheduler:
         # returned by the next update_from_output.
         self.pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Live requests per named client (the server's): while two or more clients have
+        # some, the FCFS queue is fair among them (fairness.py).
+        self.live_clients: dict[str, int] = {}
         self.sessions = StreamingSessions(scheduler_config.streaming_session_timeout_s,
                                           self.kv_cache_manager, self.waiting, self._end_request,
                                           self.report_end,
@@ -86,6 +90,8 @@ class Scheduler:
             self.report_end(request, "length", reason, session_end=FinishReason.REFUSED)
             return
         self.requests[request.request_id] = request
+        if request.client is not None:
+            self.live_clients[request.client] = self.live_clients.get(request.client, 0) + 1
         self.sessions.start(request)
         if request.structured_output_request is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -129,6 +135,10 @@ class Scheduler:
         self.lora_slots.release(req_id)
         self.finished_req_ids.add(req_id)
         del self.requests[req_id]
+        if request.client is not None:
+            left = self.live_clients.pop(request.client) - 1
+            if left:
+                self.live_clients[request.client] = left
         self.sessions.forget(req_id)
         if self.spec is not None:
             self.spec.forget(request)
@@ -229,6 +239,12 @@ class Scheduler:
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
         preempted = False
 
+        if self.waiting and self._fair_queue() is not None:
+            victim = fair_victim(self)
+            if victim is not None:
+                self.running.remove(victim)
+                self._preempt_request(victim)
+
         # Phase A: running requests, in admission order.
         running = self.running
         priority = self.policy == "priority"
@@ -296,6 +312,12 @@ class Scheduler:
 
         return build_output(self, scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
+    def _fair_queue(self) -> FCFSRequestQueue | None:
+        """The waiting queue, when it is fair among clients (fairness.py): FCFS, with live
+        requests of two clients or more."""
+        fair = len(self.live_clients) > 1 and isinstance(self.waiting, FCFSRequestQueue)
+        return self.waiting if fair else None  # type: ignore[return-value]
+
     def _end_outgrown(self, r: Request) -> None:
         self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED, "the sequence outgrew "
                           "the whole KV cache", False, FinishReason.LENGTH)
@@ -318,7 +340,12 @@ class Scheduler:
         # Once a request waits for an adapter slot, later ones may not take a slot or join a
         # loaded adapter (its users must drain): base-model requests still go.
         new_adapters = True
+        fair = self._fair_queue()
+        held = slots_by_client(self.running, self.sessions.idle.values(), ledger) if fair else {}
+        key = fair_key(held, ledger.holds)
         while waiting and budget > 0:
+            if fair is not None:
+                fair.bring_forward(key)  # fairness.py
             r = waiting.peek_request()
             holds_slot = ledger.holds(r.request_id)
             if not holds_slot and ledger.num_free_slots() <= 0:
@@ -367,6 +394,8 @@ class Scheduler:
             waiting.pop_request()
             if holds_slot:
                 waiting_holders -= 1
+            elif fair is not None:
+                held[r.client] = held.get(r.client, 0) + 1
             ledger.claim(r.request_id)
             self.lora_slots.acquire(r.request_id, r.lora_request)
             self.running.append(r)

@@ -156,7 +156,7 @@ class EngineCore:
             eos_token_id=request.eos_token_id, priority=request.priority,
             arrival_time=request.arrival_time, resumable=request.resumable,
             structured_output_request=structured_output_request, chunk=request.chunk,
-            lora_request=request.lora_request))
+            lora_request=request.lora_request, client=request.client))
 
     def has_waiting_grammars(self) -> bool:
         return bool(self.scheduler.waiting_for_grammar)

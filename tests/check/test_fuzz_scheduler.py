@@ -1,8 +1,8 @@
 """Stateful property-based fuzzing of the scheduler with the invariant checker on every step.
 
 The events are the shared vocabulary of slotserve.check.events (the exhaustive explorer uses
-the same ones): random arrivals with shared prefixes and priorities, aborts, streaming-session
-chunks (empty ones included) and ends, prefix-cache resets (with and without running
+the same ones): random arrivals with shared prefixes, priorities and clients (the scheduler
+is fair among named clients), aborts, streaming-session chunks (empty ones included) and ends, prefix-cache resets (with and without running
 requests), KV pressure that forces preemption, pipelined steps, failed model steps and steps
 whose failure the worker isolated to one request, idle
 sessions giving up their slot past the grace period or over the cap of idle sessions, idle
@@ -95,13 +95,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prefix=st.sampled_from([None, 0, 1, 2]), tail=st.lists(st.integers(40, 60), max_size=12),
           priority=st.integers(0, 3), max_tokens=st.integers(1, 6),
           resumable=st.booleans(), min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
-          grammar=st.sampled_from([0, 0, 1, 3]), lora=st.integers(0, 3))
+          grammar=st.sampled_from([0, 0, 1, 3]), lora=st.integers(0, 3),
+          client=st.sampled_from([0, 0, 1, 2, 3]))
     def add_request(self, prefix: int | None, tail: list[int], priority: int, max_tokens: int,
                     resumable: bool, min_tokens: int, ignore_eos: bool, grammar: int,
-                    lora: int) -> None:
+                    lora: int, client: int) -> None:
         prompt = (PREFIXES[prefix] if prefix is not None else []) + tail
         self.h.apply(Arrive(tuple(prompt or [50]), max_tokens, priority, resumable,
-                            min_tokens, ignore_eos, grammar, lora if self.max_loras else 0))
+                            min_tokens, ignore_eos, grammar, lora if self.max_loras else 0,
+                            client))
 
     @precondition(lambda self: bool(self.h.open_sessions))
     @rule(data=st.data(), chunk=st.lists(st.integers(40, 60), max_size=6),

@@ -192,3 +192,26 @@ def test_a_burst_gets_429s_and_does_not_starve_another_client(crowded: str) -> N
     # ahead of it.)
     ahead = sum(late["start"] < f < late["first"] for f in served)
     assert ahead <= 6 + 1 + 5, ahead
+
+
+def test_two_clients_at_their_share_fill_the_slots_and_a_third_still_starts(
+        crowded: str) -> None:
+    """Two clients at their share (12 of the 24 slots each) fill every slot with long
+    requests; a third client's request preempts the client holding the most (the engine's
+    queue is fair among clients, core/fairness.py) instead of waiting for one of theirs to
+    end: its first token comes before any of theirs finishes."""
+    async def run() -> tuple[list[float], dict[str, Any]]:
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=crowded, timeout=120, limits=limits) as http:
+            async def long(user: str) -> float:
+                await _stream(http, user, 150)
+                return time.monotonic()
+
+            heavy = [asyncio.ensure_future(long(u)) for u in ("a", "b") for _ in range(12)]
+            await asyncio.sleep(0.5)
+            late = await _stream(http, "c", 4)
+            return list(await asyncio.gather(*heavy)), late
+
+    ended, late = asyncio.run(run())
+    assert late["status"] == 200
+    assert late["first"] < min(ended), (late["first"] - late["start"], min(ended))

@@ -12,12 +12,15 @@ overfill it, up to twice the bounds.
 
 Fairness: accepted requests wait here in one queue per client and go to the engine round-robin
 over clients, while the engine holds at most `core_window` sequences that have not started
-(its waiting queue is FCFS; keeping it short keeps this order), except that a client with none
-of its own there goes past that window (so one client's request that cannot start, e.g. 8
-sequences waiting for slots, holds back no other client's first token), and, while other clients
-queue, no client holds more than its share of the engine's slots (work-conserving: a client
-alone may use them all). So a client's first token waits for a slot that the burst of another
-client frees, not behind that burst's queue.
+(keeping it short keeps this order), except that a client with none of its own there goes
+past that window (so one client's request that cannot start, e.g. 8 sequences waiting for
+slots, holds back no other client's first token), and, while other clients queue, no client
+holds more than its share of the engine's slots (work-conserving: a client alone may use them
+all). So a client's first token waits for a slot that the burst of another
+client frees, not behind that burst's queue. Two clients each at their share can still fill
+every slot: the engine's queue is fair among clients too (core/fairness.py, from the key
+`tag_client` puts on each core request), and preempts the client holding the most for one
+holding at least two fewer.
 
 A client is the request's `user` field (OpenAI's end-user id) when given, else the peer
 address. A client that sends a different `user` with every request splits its own share;
@@ -320,7 +323,8 @@ def client_key(user: str | None, peer: str | None) -> str:
 
 def tag_client(processed: Iterable[ProcessedRequest], client: str) -> None:
     """Name the client on each of its core requests: the core takes grammar compiles
-    round-robin over clients, so one client's large grammars do not hold up another's."""
+    round-robin over clients, so one client's large grammars do not hold up another's, and
+    its scheduler is fair among clients for the slots (core/fairness.py)."""
     for p in processed:
         for r in p.requests:
             r.client = client
