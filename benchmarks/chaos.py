@@ -224,6 +224,9 @@ def main() -> int:
         log_lines = Path(log.name).read_bytes()[log_before:].count(b"\n")
     report["clean"], report["chaos"] = summarize(clean), summarize(chaos)
     report["end_state"] = {g: final.get(g, 0.0) for g in GAUGES}
+    # Kept on purpose (bounded by the engine's cap): what the grammar patterns left behind.
+    report["grammar_cache"] = {"entries": final.get("grammar_cache_entries", 0.0),
+                               "mb": final.get("grammar_cache_bytes", 0.0) / 2**20}
     report["counters"] = {c: final.get(c, 0.0) for c in COUNTERS}
     report["peak_during_chaos"] = {g: during.get(g, 0.0) for g in GAUGES}
     report["rss_mb"] = {"after_warmup": rss_start, "after_clean": rss_clean,
@@ -255,6 +258,9 @@ def print_report(r: dict[str, Any]) -> None:
           f"chaos {x['slowest_ttft']}")
     print("end state (after the hostile clients left): " + ", ".join(
         f"{k} {v:g}" for k, v in r["end_state"].items()))
+    g = r["grammar_cache"]
+    print(f"compiled-grammar cache after the drain: {g['entries']:g} entries, "
+          f"{g['mb']:.1f} MB charged")
     print("peak during chaos: " + ", ".join(
         f"{k} {v:g}" for k, v in r["peak_during_chaos"].items()))
     print("counters: " + ", ".join(f"{k} {v:g}" for k, v in r["counters"].items()))
