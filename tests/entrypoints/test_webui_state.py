@@ -146,6 +146,12 @@ def test_state_agrees_with_the_ledger_at_every_poll(recorded: Recorded) -> None:
     url, errors = recorded.url, []
     threads = [threading.Thread(target=_complete, args=(url, i, errors)) for i in range(10)]
     threads += [threading.Thread(target=_session, args=(url, errors)) for _ in range(2)]
+    # A session that pauses while nothing waits keeps its slot for the whole pause, so some
+    # poll sees it idle (one that pauses while completions wait gives its slot to one of them
+    # within a step, and the polls caught that only now and then).
+    busy = list(threads)
+    threads.append(threading.Thread(
+        target=lambda: ([t.join() for t in busy], _session(url, errors))))
     for t in threads:
         t.start()
     polls: list[tuple[str, dict[str, Any]]] = []
