@@ -9,7 +9,8 @@ A thread cannot be stopped, so templates render in a child process (transformers
 space is capped so a huge string is a MemoryError there, and an output over
 `max_output_chars` is refused. The front thread only waits on a pipe with a deadline, so
 neither a stuck render nor shutdown can hang on it. Rendering happens apart from
-tokenization, which stays in the front.
+tokenization, which stays in the front. The children run at a lower priority than the
+server (`RENDER_NICE`), so a template's CPU comes out of what the engine leaves.
 
 The child gets only what `apply_chat_template(tokenize=False)` reads: the template and the
 special tokens map (which transformers passes to the template), on a tokenizer with an empty
@@ -47,6 +48,11 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_OUTPUT_CHARS = 16 << 20
 # What a render may allocate beyond the child's footprint once it holds the tokenizer.
 DEFAULT_RENDER_BYTES = 1 << 30
+# Children that render clients' chats run below the engine's priority, so a template's work
+# (and a fresh child's second or so of imports, which a server's first chat request pays)
+# takes the CPU the engine's steps leave, not theirs. The probe's child renders at server
+# start, when nothing competes, at the server's own priority.
+RENDER_NICE = 10
 PROBE_CONVERSATION = [{"role": "system", "content": "You are helpful."},
                       {"role": "user", "content": "Hello"},
                       {"role": "assistant", "content": "Hi."},
@@ -88,8 +94,10 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
-                 render_bytes: int = DEFAULT_RENDER_BYTES, workers: int = 2) -> None:
+                 render_bytes: int = DEFAULT_RENDER_BYTES, workers: int = 2,
+                 nice: int = RENDER_NICE) -> None:
         self.timeout_s = timeout_s
+        self.nice = nice
         self.max_output_chars = max_output_chars
         self.render_bytes = render_bytes
         self._tokenizer_bytes: bytes | None = None
@@ -118,7 +126,7 @@ class ChatRenderer:
         child = self._idle.get()
         try:
             if child is None or not child.alive():
-                child = self._start()
+                child = self._start(self.nice)
             status, value = child.call((list(conversation), kwargs), self.timeout_s)
         except TimeoutError:
             assert child is not None
@@ -157,6 +165,7 @@ class ChatRenderer:
         bounds (its own refusal of these messages is not a failure: the template decides).
         The probe's child ends afterwards: a server that never sees a chat request does not
         keep ~75 MB resident for it (the first chat request starts one, about a second)."""
+        nice, self.nice = self.nice, 0
         try:
             self.render(PROBE_CONVERSATION, add_generation_prompt=True)
         except ChatTemplateError as exc:
@@ -164,6 +173,7 @@ class ChatRenderer:
                 raise ModelLoadError(f"{source}: the chat template failed a probe render: "
                                      f"{exc}") from exc
         finally:
+            self.nice = nice
             self.release_idle()
 
     def release_idle(self) -> None:
@@ -177,8 +187,8 @@ class ChatRenderer:
                 self._kill(child)
             self._idle.put(None)
 
-    def _start(self) -> _Child:
-        child = _Child(self._payload(), self.max_output_chars, self.render_bytes)
+    def _start(self, nice: int) -> _Child:
+        child = _Child(self._payload(), self.max_output_chars, self.render_bytes, nice)
         with self._lock:
             self._children.add(child)
         return child
@@ -205,10 +215,12 @@ class _Child:
     """A fresh interpreter (not multiprocessing's spawn, which would re-run the caller's
     main module) on one end of a socket pair."""
 
-    def __init__(self, tokenizer_bytes: bytes, max_output_chars: int, render_bytes: int
-                 ) -> None:
+    def __init__(self, tokenizer_bytes: bytes, max_output_chars: int, render_bytes: int,
+                 nice: int = 0) -> None:
         ours, theirs = socket.socketpair()
-        code = (f"from slotserve.checkpoint.chat_render import _main; "
+        # Lowered before any import: the imports are most of a fresh child's work.
+        code = (f"import os; os.nice({int(nice)}); "
+                f"from slotserve.checkpoint.chat_render import _main; "
                 f"_main({theirs.fileno()}, {max_output_chars}, {render_bytes})")
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
                                         stdin=subprocess.DEVNULL)

@@ -115,6 +115,26 @@ def test_probe_keeps_no_render_process(tokenizer: Any) -> None:
         r.close()
 
 
+def test_render_children_run_below_the_servers_priority(tokenizer: Any) -> None:
+    """A client's render (and a fresh child's imports) yields the CPU to the engine; the
+    probe at start, with nothing to compete with, runs at the server's own priority."""
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    r = ChatRenderer(tokenizer, timeout_s=30.0, workers=1, nice=7)
+    try:
+        r.release_idle = lambda: None  # type: ignore[method-assign]  # keep the probe's child
+        r.probe()
+        (child,) = [c for c in r._children if c.alive()]
+        assert os.getpriority(os.PRIO_PROCESS, child.process.pid) == base
+        ChatRenderer.release_idle(r)
+        assert r.render(HELLO, chat_template=PLAIN)
+        (child,) = [c for c in r._children if c.alive()]
+        assert os.getpriority(os.PRIO_PROCESS, child.process.pid) == min(base + 7, 19)
+    finally:
+        r.close()
+
+
 def test_invalid_jinja_refused_at_load(tmp_path: Path, tokenizer: Any) -> None:
     tokenizer.save_pretrained(tmp_path)
     original = tokenizer.chat_template
