@@ -19,10 +19,20 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from slotserve.core.request import Request
+from slotserve.core.request_queue import FCFSRequestQueue
 from slotserve.core.slot_ledger import SlotLedger
 
 if TYPE_CHECKING:
     from slotserve.core.scheduler import Scheduler
+
+
+def fair_queue(sched: Scheduler) -> FCFSRequestQueue | None:
+    """The waiting queue, when it is fair among clients: FCFS, with live requests of two
+    clients or more (`Scheduler.live_clients`)."""
+    waiting = sched.waiting
+    if len(sched.live_clients) > 1 and isinstance(waiting, FCFSRequestQueue):
+        return waiting
+    return None
 
 
 def slots_by_client(running: Iterable[Request], idle: Iterable[Request],

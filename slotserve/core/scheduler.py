@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.block_pool import KVCacheBlock
-from slotserve.core.fairness import fair_key, fair_victim, slots_by_client
+from slotserve.core.fairness import fair_key, fair_queue, fair_victim, slots_by_client
 from slotserve.core.kv_cache_manager import KVCacheManager
 from slotserve.core.lora_slots import LoRASlotLedger
 from slotserve.core.output_builder import build_output
@@ -22,7 +22,7 @@ from slotserve.core.outputs import (
     SchedulerOutput,
 )
 from slotserve.core.request import CHECK_REQUESTS, Request, RequestStatus, check_new_request
-from slotserve.core.request_queue import FCFSRequestQueue, create_request_queue
+from slotserve.core.request_queue import create_request_queue
 from slotserve.core.sched_utils import SchedulerStats, append_generated, make_stats
 from slotserve.core.sessions import StreamingSessions
 from slotserve.core.slot_ledger import SlotLedger
@@ -239,7 +239,7 @@ class Scheduler:
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
         preempted = False
 
-        if self.waiting and self._fair_queue() is not None:
+        if self.waiting and fair_queue(self) is not None:
             victim = fair_victim(self)
             if victim is not None:
                 self.running.remove(victim)
@@ -312,12 +312,6 @@ class Scheduler:
 
         return build_output(self, scheduled_new, scheduled_running, num_scheduled, new_blocks_of)
 
-    def _fair_queue(self) -> FCFSRequestQueue | None:
-        """The waiting queue, when it is fair among clients (fairness.py): FCFS, with live
-        requests of two clients or more."""
-        fair = len(self.live_clients) > 1 and isinstance(self.waiting, FCFSRequestQueue)
-        return self.waiting if fair else None  # type: ignore[return-value]
-
     def _end_outgrown(self, r: Request) -> None:
         self._end_request(r, RequestStatus.FINISHED_LENGTH_CAPPED, "the sequence outgrew "
                           "the whole KV cache", False, FinishReason.LENGTH)
@@ -340,7 +334,7 @@ class Scheduler:
         # Once a request waits for an adapter slot, later ones may not take a slot or join a
         # loaded adapter (its users must drain): base-model requests still go.
         new_adapters = True
-        fair = self._fair_queue()
+        fair = fair_queue(self)
         held = slots_by_client(self.running, self.sessions.idle.values(), ledger) if fair else {}
         key = fair_key(held, ledger.holds)
         while waiting and budget > 0:
