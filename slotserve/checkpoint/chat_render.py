@@ -121,12 +121,17 @@ class ChatRenderer:
     def render(self, conversation: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         """The template's text for a conversation (kwargs as for apply_chat_template, without
         `tokenize`); ChatTemplateError (param "messages") when it cannot be rendered."""
+        return self._render(conversation, self.nice, kwargs)
+
+    def _render(self, conversation: Sequence[Mapping[str, Any]], nice: int,
+                kwargs: dict[str, Any]) -> str:
+        """render(), a child started here running at `nice`."""
         if self._closed:
             raise ChatTemplateError("the server is shutting down", "messages")
         child = self._idle.get()
         try:
             if child is None or not child.alive():
-                child = self._start(self.nice)
+                child = self._start(nice)
             status, value = child.call((list(conversation), kwargs), self.timeout_s)
         except TimeoutError:
             assert child is not None
@@ -165,15 +170,13 @@ class ChatRenderer:
         bounds (its own refusal of these messages is not a failure: the template decides).
         The probe's child ends afterwards: a server that never sees a chat request does not
         keep ~75 MB resident for it (the first chat request starts one, about a second)."""
-        nice, self.nice = self.nice, 0
         try:
-            self.render(PROBE_CONVERSATION, add_generation_prompt=True)
+            self._render(PROBE_CONVERSATION, 0, {"add_generation_prompt": True})
         except ChatTemplateError as exc:
             if not str(exc).startswith("cannot apply the chat template: "):
                 raise ModelLoadError(f"{source}: the chat template failed a probe render: "
                                      f"{exc}") from exc
         finally:
-            self.nice = nice
             self.release_idle()
 
     def release_idle(self) -> None:
