@@ -53,6 +53,8 @@ class _Lib:
         self.qkv_rope_store = fn("slotserve_qkv_rope_store",
                                  [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _I, _P,
                                   _C, _I], ctypes.c_int)
+        self.rope_rows = fn("slotserve_rope_rows", [_P, _P, _I, _I, _P, _I, _P, _P],
+                            ctypes.c_int)
 
 
 # None: not tried yet; False: unavailable (already logged).
@@ -69,6 +71,11 @@ def native_fused_supported(dtype: torch.dtype, device: torch.device) -> bool:
         dll = native_build.load_kernel(KERNEL, "the layers use the torch ops")
         _lib = _Lib(dll) if dll is not None else False
     return _lib is not False
+
+
+def built() -> bool:
+    """Whether the library is loaded (a model's `native_fused_supported` built it)."""
+    return isinstance(_lib, _Lib)
 
 
 def _get() -> _Lib:
@@ -200,3 +207,23 @@ def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
         slot_mapping.data_ptr(), code, row * k_cache.element_size())
     if rc != 0:
         raise _fail("a slot id is outside the KV cache")
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows `positions` of the half tables cos, sin [max_pos, D / 2], as [T, 1, D]
+    (c, c) and (-s, s), as models/layers.py's `rope_rows` builds them with torch."""
+    if cos.dtype != _F32 or sin.dtype != _F32 or not cos.is_cpu or not sin.is_cpu \
+            or cos.dim() != 2 or cos.shape != sin.shape or not cos.is_contiguous() \
+            or not sin.is_contiguous():
+        raise _fail("RoPE tables must be alike, contiguous float32 CPU [positions, D / 2]")
+    if positions.dtype != torch.int64 or not positions.is_cpu or positions.dim() != 1 \
+            or not positions.is_contiguous():
+        raise _fail("positions must be contiguous int64 CPU [rows]")
+    rows, (max_pos, half) = positions.shape[0], cos.shape
+    out = torch.empty(2, rows, 1, 2 * half)
+    rc = _get().rope_rows(cos.data_ptr(), sin.data_ptr(), half, max_pos, positions.data_ptr(),
+                          rows, out.data_ptr(), out[1].data_ptr())
+    if rc != 0:
+        raise IndexError(f"a position is outside the RoPE tables of {max_pos} positions")
+    return out[0], out[1]

@@ -292,7 +292,10 @@ class ModelRunner:
             self.lora.set_tokens(np.repeat(self.lora_slot_of[slots], q_lens))
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden.index_select(0, logits_idx))
+        # Every row sampled (a step of decodes; logits_pos rises, so it is then 0..T-1): no
+        # copy of the rows.
+        rows = hidden if len(logits_pos) == hidden.shape[0] else hidden.index_select(0, logits_idx)
+        logits = self.model.compute_logits(rows)
         if grammar_output is not None:
             # Waits for the bitmask here, after the forward pass it was filled beside.
             grammar_metadata(sampling_meta, grammar_output, ids,

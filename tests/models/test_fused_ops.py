@@ -2,8 +2,8 @@
 
 Each op on odd shapes and strided rows: RMSNorm alone, after a residual add (Llama) and added
 to the residual (Gemma 3), the gated activations, and the attention glue (q/k norm, RoPE, the
-K/V cache write). The cache rows the kernel writes are byte for byte the reference's in every
-storage type; a slot outside the cache and a wrong tensor raise NativeKernelError before
+K/V cache write), and the step's RoPE rows. The cache rows the kernel writes are byte for
+byte the reference's in every storage type; a slot outside the cache and a wrong tensor raise NativeKernelError before
 anything is written. A whole model gives the same hidden states with either set of ops, and
 picks the native one where it builds.
 """
@@ -20,7 +20,7 @@ from slotserve.models.attention import BatchLayout
 from slotserve.models.fused import NATIVE_OPS, TORCH_OPS
 from slotserve.models.gemma3 import GemmaRMSNorm
 from slotserve.models.kv_storage import row_elems
-from slotserve.models.layers import RMSNorm
+from slotserve.models.layers import RMSNorm, rope_rows
 from slotserve.models.native_attention import NativeKernelError, find_compiler
 from tests.helpers import TinyModel
 from tests.models.test_model_hf_equivalence import LOGPROB_TOL, make_prompts, make_runner
@@ -163,6 +163,32 @@ def test_bad_slot_and_bad_tensors_raise_before_writing() -> None:
         NATIVE_OPS.add_norm(torch.randn(3, d), torch.randn(2, d), w)
     with pytest.raises(NativeKernelError, match="unknown activation"):
         NATIVE_OPS.gated_act(torch.randn(2, 8), "relu")
+
+
+@pytest.mark.parametrize("half", [1, 32, 128])
+def test_rope_rows_are_the_torch_forms_values(half: int) -> None:
+    """The step's RoPE rows in one native call are the torch form's values bit for bit
+    ((c, c) and (-s, s), negative zeros included), for any positions in any order; a position
+    outside the tables raises IndexError as index_select does, and models/layers.py's
+    rope_rows takes the native call."""
+    g = torch.Generator().manual_seed(half)
+    cos, sin = torch.randn(50, half, generator=g), torch.randn(50, half, generator=g)
+    sin[3, 0] = 0.0  # -s of +0.0 is -0.0
+    positions = torch.tensor([3, 0, 49, 3, 17], dtype=torch.int64)
+    c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+    ref = (torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1))
+    got = native_fused.rope_rows(cos, sin, positions)
+    for a, b in zip(got, ref, strict=True):
+        assert a.shape == b.shape == (5, 1, 2 * half) and a.is_contiguous()
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert torch.equal(rope_rows(cos, sin, positions)[1].view(torch.int32),
+                       ref[1].view(torch.int32))
+    with pytest.raises(IndexError):
+        native_fused.rope_rows(cos, sin, torch.tensor([2, 50]))
+    with pytest.raises(IndexError):
+        native_fused.rope_rows(cos, sin, torch.tensor([-1]))
+    with pytest.raises(NativeKernelError, match="positions"):
+        native_fused.rope_rows(cos, sin, torch.tensor([1, 2], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])

@@ -8,7 +8,8 @@
  *  - the gated activation of the MLP (SiLU or tanh-GELU gate times up);
  *  - the attention glue: per-head q/k RMSNorm, RoPE in place, and the new K/V rows written
  *    into the paged cache in its storage type (float32, bfloat16, float16, or int8 rows:
- *    q8_0 blocks of 32 values along the head, their float16 scales after the D bytes).
+ *    q8_0 blocks of 32 values along the head, their float16 scales after the D bytes);
+ *  - the step's rows of the RoPE tables, in the (c, c) / (-s, s) form the RoPE above takes.
  *
  * The arithmetic is the torch formula's, operation for operation (built with
  * -ffp-contract=off: no fused multiply-adds the torch kernels would not do), except that the
@@ -171,6 +172,28 @@ int slotserve_qkv_rope_store(float* qkv, int64_t qkv_stride, int64_t rows, int64
             int64_t at = (slot * kvh + j) * row_bytes;
             store_row(row + (nh + j) * d, (char*)k_cache + at, d, kv_dtype);
             store_row(row + (nh + kvh + j) * d, (char*)v_cache + at, d, kv_dtype);
+        }
+    }
+    return SLOTSERVE_OK;
+}
+
+/* outc[t] = (c, c) and outs[t] = (-s, s) for c, s the rows pos[t] of the half tables cos, sin
+   [max_pos, half] (models/layers.py: rope_rows, whose torch form is four operators per table:
+   after the output projection has streamed its weights each costs tens of microseconds of
+   its own code coming back into the caches). A position outside the tables: SLOTSERVE_BAD_SLOT,
+   nothing written past the rows before it. */
+int slotserve_rope_rows(const float* cos, const float* sin, int64_t half, int64_t max_pos,
+                        const int64_t* pos, int64_t rows, float* outc, float* outs) {
+    for (int64_t t = 0; t < rows; t++) {
+        int64_t p = pos[t];
+        if (p < 0 || p >= max_pos) return SLOTSERVE_BAD_SLOT;
+        const float *c = cos + p * half, *s = sin + p * half;
+        float *oc = outc + t * 2 * half, *os = outs + t * 2 * half;
+        for (int64_t i = 0; i < half; i++) {
+            oc[i] = c[i];
+            oc[half + i] = c[i];
+            os[i] = -s[i];
+            os[half + i] = s[i];
         }
     }
     return SLOTSERVE_OK;
