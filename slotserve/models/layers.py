@@ -88,8 +88,9 @@ def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's rows of the tables, [T, 1, D] as (c, c) and (-s, s) (models/fused.py);
     in one native call where the layers' native ops are built (the same values)."""
-    if native_fused.built() and cos.is_cpu and cos.dtype == torch.float32 \
-            and positions.dtype == torch.int64:
+    if native_fused.built() and cos.is_cpu and cos.dtype == sin.dtype == torch.float32 \
+            and cos.is_contiguous() and sin.is_contiguous() and positions.is_cpu \
+            and positions.dtype == torch.int64 and positions.is_contiguous():
         return native_fused.rope_rows(cos, sin, positions)
     c, s = cos.index_select(0, positions), sin.index_select(0, positions)
     return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
