@@ -90,5 +90,5 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         return tensor
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = super().embed(input_ids)
-        return h * embed_scale(self.config.hidden_size, h.dtype)
+        h = super().embed(input_ids)  # the lookup's own new tensor: scaled in place
+        return h.mul_(embed_scale(self.config.hidden_size, h.dtype))

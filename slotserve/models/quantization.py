@@ -287,10 +287,14 @@ class QuantizedEmbedding(_QuantModule):
         self._loaded("qweight", mapped)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = input_ids.reshape(-1).to(torch.int64).contiguous()
+        # A step's ids come flat, int64 and contiguous: no operators to make them so (each a
+        # few microseconds of dispatch with its code out of the caches, at every step).
+        ids = input_ids
+        if ids.dim() != 1 or ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.embedding_dim, dtype=torch.float32)
         self.views()[0].rows(ids, out)
-        return out.view(*input_ids.shape, self.embedding_dim)
+        return out if input_ids.dim() == 1 else out.view(*input_ids.shape, self.embedding_dim)
 
     def project(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ table^T: [rows, embedding_dim] -> `out` [rows, num_embeddings] float32 (new

@@ -253,11 +253,14 @@ class ModelRunner:
             decode |= q_lens == 1 + np.fromiter((len(drafts.get(r, ())) for r in ids),
                                                 dtype=np.int64, count=len(ids))
         # With LoRA, by adapter slot within each group (slotserve/lora/layers.py).
-        order = (np.argsort(~decode, kind="stable") if self.lora is None
-                 else np.lexsort((self.lora_slot_of[slots], ~decode)))
-        slots, q_lens = slots[order], q_lens[order]
-        req_ids = [ids[i] for i in order]
         num_decodes = int(decode.sum())
+        if self.lora is None and num_decodes in (0, len(ids)):
+            req_ids = ids  # one group: already in order
+        else:
+            order = (np.argsort(~decode, kind="stable") if self.lora is None
+                     else np.lexsort((self.lora_slot_of[slots], ~decode)))
+            slots, q_lens = slots[order], q_lens[order]
+            req_ids = [ids[i] for i in order]
         num_computed = b.num_computed_tokens[slots]
         seq_lens = num_computed + q_lens
         # Drafts sit after a request's tokens (not counted in them until accepted).
@@ -285,7 +288,6 @@ class ModelRunner:
             row_slots = np.repeat(sample_slots, counts)
         else:
             offsets, logits_pos, row_slots = None, cu[sample_rows] - 1, sample_slots
-        logits_idx = torch.from_numpy(logits_pos).to(self.device)
         sampling_meta = self._sampling_metadata(row_slots, offsets)
 
         if self.lora is not None:
@@ -294,7 +296,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         # Every row sampled (a step of decodes; logits_pos rises, so it is then 0..T-1): no
         # copy of the rows.
-        rows = hidden if len(logits_pos) == hidden.shape[0] else hidden.index_select(0, logits_idx)
+        rows = hidden if len(logits_pos) == hidden.shape[0] else hidden.index_select(
+            0, torch.from_numpy(logits_pos).to(self.device))
         logits = self.model.compute_logits(rows)
         if grammar_output is not None:
             # Waits for the bitmask here, after the forward pass it was filled beside.
