@@ -11,7 +11,9 @@ hands it to its layers; the tests run both and compare. The operations:
   (Gemma 3's: each block's output is normed before it joins the residual);
 - `gated_act(gate_up, act)`: act(gate) * up of the fused gate/up projection;
 - `qkv_rope_store(attn, qkv, cos, sin, kv_cache, slot_mapping)`: q/k per-head norm, RoPE,
-  and this step's K/V written into the paged cache; returns q, k, v as [T, heads, D] views.
+  and this step's K/V written into the paged cache; returns q, k, v as [T, heads, D] views;
+- `rope_rows(cos, sin, positions)`: the step's rows of the half RoPE tables as the [T, 1, D]
+  (c, c) and (-s, s) that `apply_rope` and `qkv_rope_store` take.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ class TorchOps:
         out: torch.Tensor = norm(x)
         return out
 
+    def rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+        return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
+
     def add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         h.add_(x)
         out: torch.Tensor = norm(h)
@@ -138,6 +145,12 @@ class NativeOps(TorchOps):
 
     def add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return native_fused.add_rms_norm(h, x, norm.weight, norm.eps)
+
+    def rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One call instead of four torch operators per table, each run with its code out of
+        # the caches after the output projection streamed its weights.
+        return native_fused.rope_rows(cos, sin, positions)
 
     def norm_add(self, h: torch.Tensor, x: torch.Tensor, norm: RMSNorm,
                  next_norm: RMSNorm | None) -> torch.Tensor | None:

@@ -21,7 +21,6 @@ from torch import nn
 
 from slotserve.checkpoint.dequant import CheckpointTensor
 from slotserve.model_config import ModelConfig, RopeConfig
-from slotserve.models import native_fused
 from slotserve.models.attention import (
     AttentionBackend,
     AttentionMetadataMap,
@@ -75,25 +74,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.
 def rope_tables(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
                 positions: int, dtype: torch.dtype, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [positions, head_dim / 2]: `rope_rows` widens a step's rows to the layout
-    `apply_rope` takes (half the memory: 16 MiB for Gemma 3's two kinds at 8192 positions)."""
+    """cos and sin [positions, head_dim / 2]: the ops' `rope_rows` (models/fused.py) widens a
+    step's rows to the layout `apply_rope` takes (half the memory: 16 MiB for Gemma 3's two
+    kinds at 8192 positions)."""
     inv_freq = rope_inv_freq(rope, head_dim, max_position_embeddings)
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     # Computed in float32 and then cast, as transformers does, so bf16 matches too.
     return (freqs.cos().to(device=device, dtype=dtype),
             freqs.sin().to(device=device, dtype=dtype))
-
-
-def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's rows of the tables, [T, 1, D] as (c, c) and (-s, s) (models/fused.py);
-    in one native call where the layers' native ops are built (the same values)."""
-    if native_fused.built() and cos.is_cpu and cos.dtype == sin.dtype == torch.float32 \
-            and cos.is_contiguous() and sin.is_contiguous() and positions.is_cpu \
-            and positions.dtype == torch.int64 and positions.is_contiguous():
-        return native_fused.rope_rows(cos, sin, positions)
-    c, s = cos.index_select(0, positions), sin.index_select(0, positions)
-    return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -290,11 +278,11 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches,
                 attn_metadata: AttentionMetadataMap) -> torch.Tensor:
         """Hidden states [T, hidden] (before the final norm) of the flattened batch."""
-        cos, sin = rope_rows(self.rope_cos, self.rope_sin, positions)
+        cos, sin = self.ops.rope_rows(self.rope_cos, self.rope_sin, positions)
         local_cos, local_sin = cos, sin
         if self.rope_local_cos.numel():
-            local_cos, local_sin = rope_rows(self.rope_local_cos, self.rope_local_sin,
-                                             positions)
+            local_cos, local_sin = self.ops.rope_rows(self.rope_local_cos,
+                                                      self.rope_local_sin, positions)
         h = self.embed(input_ids)
         if self.decode_layers is not None and self.decode_layers.run(
                 self, h, (cos, sin, local_cos, local_sin), kv_caches, attn_metadata):

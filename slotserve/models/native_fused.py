@@ -73,11 +73,6 @@ def native_fused_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return _lib is not False
 
 
-def built() -> bool:
-    """Whether the library is loaded (a model's `native_fused_supported` built it)."""
-    return isinstance(_lib, _Lib)
-
-
 def _get() -> _Lib:
     if not isinstance(_lib, _Lib):
         raise NativeKernelError("fused ops: called before native_fused_supported() built them")
@@ -212,7 +207,7 @@ def qkv_rope_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows `positions` of the half tables cos, sin [max_pos, D / 2], as [T, 1, D]
-    (c, c) and (-s, s), as models/layers.py's `rope_rows` builds them with torch."""
+    (c, c) and (-s, s), as `TorchOps.rope_rows` (models/fused.py) builds them with torch."""
     if cos.dtype != _F32 or sin.dtype != _F32 or not cos.is_cpu or not sin.is_cpu \
             or cos.dim() != 2 or cos.shape != sin.shape or not cos.is_contiguous() \
             or not sin.is_contiguous():

@@ -3,9 +3,9 @@
 Each op on odd shapes and strided rows: RMSNorm alone, after a residual add (Llama) and added
 to the residual (Gemma 3), the gated activations, and the attention glue (q/k norm, RoPE, the
 K/V cache write), and the step's RoPE rows. The cache rows the kernel writes are byte for
-byte the reference's in every storage type; a slot outside the cache and a wrong tensor raise NativeKernelError before
-anything is written. A whole model gives the same hidden states with either set of ops, and
-picks the native one where it builds.
+byte the reference's in every storage type; a slot outside the cache and a wrong tensor raise
+NativeKernelError before anything is written. A whole model gives the same hidden states with
+either set of ops, and picks the native one where it builds.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from slotserve.models.attention import BatchLayout
 from slotserve.models.fused import NATIVE_OPS, TORCH_OPS
 from slotserve.models.gemma3 import GemmaRMSNorm
 from slotserve.models.kv_storage import row_elems
-from slotserve.models.layers import RMSNorm, rope_rows
+from slotserve.models.layers import RMSNorm
 from slotserve.models.native_attention import NativeKernelError, find_compiler
 from tests.helpers import TinyModel
 from tests.models.test_model_hf_equivalence import LOGPROB_TOL, make_prompts, make_runner
@@ -169,8 +169,8 @@ def test_bad_slot_and_bad_tensors_raise_before_writing() -> None:
 def test_rope_rows_are_the_torch_forms_values(half: int) -> None:
     """The step's RoPE rows in one native call are the torch form's values bit for bit
     ((c, c) and (-s, s), negative zeros included), for any positions in any order; a position
-    outside the tables raises IndexError as index_select does, and models/layers.py's
-    rope_rows takes the native call."""
+    outside the tables raises IndexError as index_select does, and the native ops' rope_rows
+    is that call."""
     g = torch.Generator().manual_seed(half)
     cos, sin = torch.randn(50, half, generator=g), torch.randn(50, half, generator=g)
     sin[3, 0] = 0.0  # -s of +0.0 is -0.0
@@ -181,7 +181,7 @@ def test_rope_rows_are_the_torch_forms_values(half: int) -> None:
     for a, b in zip(got, ref, strict=True):
         assert a.shape == b.shape == (5, 1, 2 * half) and a.is_contiguous()
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
-    assert torch.equal(rope_rows(cos, sin, positions)[1].view(torch.int32),
+    assert torch.equal(NATIVE_OPS.rope_rows(cos, sin, positions)[1].view(torch.int32),
                        ref[1].view(torch.int32))
     with pytest.raises(IndexError):
         native_fused.rope_rows(cos, sin, torch.tensor([2, 50]))

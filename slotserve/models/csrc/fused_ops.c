@@ -178,7 +178,7 @@ int slotserve_qkv_rope_store(float* qkv, int64_t qkv_stride, int64_t rows, int64
 }
 
 /* outc[t] = (c, c) and outs[t] = (-s, s) for c, s the rows pos[t] of the half tables cos, sin
-   [max_pos, half] (models/layers.py: rope_rows, whose torch form is four operators per table:
+   [max_pos, half] (models/fused.py: TorchOps.rope_rows, four torch operators per table:
    after the output projection has streamed its weights each costs tens of microseconds of
    its own code coming back into the caches). A position outside the tables: SLOTSERVE_BAD_SLOT,
    nothing written past the rows before it. */
