@@ -219,7 +219,7 @@ class _Child:
     main module) on one end of a socket pair."""
 
     def __init__(self, tokenizer_bytes: bytes, max_output_chars: int, render_bytes: int,
-                 nice: int = 0) -> None:
+                 nice: int) -> None:
         ours, theirs = socket.socketpair()
         # Lowered before any import: the imports are most of a fresh child's work.
         code = (f"import os; os.nice({int(nice)}); "
