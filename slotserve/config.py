@@ -16,6 +16,7 @@ from typing import Literal, get_args
 
 from slotserve.errors import ConfigError
 from slotserve.lora.request import LoRAConfig
+from slotserve.model_config import ModelConfig
 from slotserve.spec_decode.config import SpeculativeConfig
 
 # --quantization: "auto" keeps a GGUF file's quantized weights where a native kernel runs
@@ -136,6 +137,10 @@ class EngineConfig:
     native_attention: bool = True
     # --enable-lora's settings (slotserve/lora); None: LoRA off.
     lora_config: LoRAConfig | None = None
+    # The model's config as the core read it with the weights (None before): a front in
+    # another process takes it from here instead of reading the checkpoint again, which for
+    # a GGUF file would import numpy and gguf there (~20 MB resident) for a few numbers.
+    model_config: ModelConfig | None = None
 
     @property
     def max_model_len(self) -> int:

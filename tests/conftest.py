@@ -20,7 +20,8 @@ from slotserve.engine.args import EngineArgs  # noqa: E402
 from slotserve.engine.core import EngineCore  # noqa: E402
 from slotserve.engine.core_client import InprocClient  # noqa: E402
 from slotserve.engine.llm_engine import LLMEngine  # noqa: E402
-from slotserve.structured_output import GuidanceBackend, StructuredOutputManager  # noqa: E402
+from slotserve.structured_output.backend import GuidanceBackend  # noqa: E402
+from slotserve.structured_output.manager import StructuredOutputManager  # noqa: E402
 from tests import core_utilities  # noqa: E402, F401 - adds the test utilities to EngineCore
 from tests.helpers import (  # noqa: E402
     TINY_MODELS,

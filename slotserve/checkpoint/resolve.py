@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from slotserve.checkpoint.gguf_config import derive_config
-from slotserve.checkpoint.gguf_file import GGUF_MAGIC, open_gguf
-from slotserve.checkpoint.gguf_reader import GGUFWeightsReader
-from slotserve.checkpoint.safetensors_reader import SafetensorsReader
 from slotserve.errors import ModelLoadError
 from slotserve.model_config import ModelConfig
 
 if TYPE_CHECKING:  # torch stays unimported until weights are read
     from slotserve.checkpoint.dequant import CheckpointTensor
+
+# The readers (numpy, gguf, safetensors) are imported when a checkpoint is resolved, not
+# here: the server's front finds the GGUF file and its cached tokenizer through this module
+# and never reads weights (numpy and gguf are ~20 MB resident there).
 
 
 class WeightsReader(Protocol):
@@ -49,6 +49,8 @@ def find_gguf(path: str | Path) -> Path | None:
     if p.is_file():
         if p.suffix.lower() == ".gguf":
             return p
+        from slotserve.checkpoint.gguf_file import GGUF_MAGIC
+
         with p.open("rb") as f:
             if f.read(4) == GGUF_MAGIC:
                 return p
@@ -67,6 +69,11 @@ def find_gguf(path: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Checkpoint:
+    from slotserve.checkpoint.gguf_config import derive_config
+    from slotserve.checkpoint.gguf_file import open_gguf
+    from slotserve.checkpoint.gguf_reader import GGUFWeightsReader
+    from slotserve.checkpoint.safetensors_reader import SafetensorsReader
+
     gguf_path = find_gguf(path)
     if gguf_path is None:
         folder = Path(path).expanduser()

@@ -25,8 +25,6 @@ from tokenizers import Tokenizer
 from slotserve.checkpoint import cache
 from slotserve.checkpoint.chat_render import check_template_syntax
 from slotserve.checkpoint.chat_templates import fallback_chat_template
-from slotserve.checkpoint.gguf_config import derive_config
-from slotserve.checkpoint.gguf_file import open_gguf
 from slotserve.checkpoint.resolve import find_gguf
 from slotserve.checkpoint.saved_tokenizer import SavedTokenizer
 from slotserve.errors import ModelLoadError
@@ -144,6 +142,9 @@ def build_child_main(path: str, out: str, log_level: int) -> None:
 
 def _build_here(path: Path, out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
+
+    from slotserve.checkpoint.gguf_config import derive_config
+    from slotserve.checkpoint.gguf_file import open_gguf
 
     # The architecture decides the fallback chat template; indexing the file here also means
     # the engine process (which needs the index) finds it cached.

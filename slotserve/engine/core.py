@@ -38,7 +38,7 @@ from slotserve.worker.slots import RequestSlots
 if TYPE_CHECKING:
     from slotserve.engine.kv_events import KVEventPublisher
     from slotserve.model_config import ModelConfig
-    from slotserve.structured_output import StructuredOutputManager
+    from slotserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,8 @@ class EngineCore:
         cache_config = dataclasses.replace(config.cache_config,
                                            cache_dtype=str(kv_dtype).removeprefix("torch."))
         config = dataclasses.replace(config, cache_config=cache_config,
-                                     dtype=str(dtype).removeprefix("torch."), device=str(device))
+                                     dtype=str(dtype).removeprefix("torch."), device=str(device),
+                                     model_config=model_config)
         runner = ModelRunner((model, model_config), config)
         overlap = args.grammar_bitmask_overlap
         if overlap is None:
@@ -327,7 +328,8 @@ def _structured_output_manager(args: EngineArgs, path: str, model_config: ModelC
     compile thread when the first grammar arrives, not at startup: for a 262k vocabulary it
     takes about 3 s and keeps about 280 MB resident, which an engine that never sees a
     grammar should not pay."""
-    from slotserve.structured_output import GuidanceBackend, StructuredOutputManager
+    from slotserve.structured_output.backend import GuidanceBackend
+    from slotserve.structured_output.manager import StructuredOutputManager
 
     def tokenizer_and_eos() -> tuple[object, list[int]]:
         tokenizer = load_tokenizer(args.tokenizer or path)

@@ -92,13 +92,15 @@ class LLMEngine:
             model_config = load_model_config(path)
             tokenizer = load_tokenizer(tokenizer_path)
             return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)
-        # The front loads its parts on a thread while the child starts the core: each takes
-        # seconds for a large vocabulary (a GGUF file's tokenizer is built from its metadata).
+        # The front loads its tokenizer on a thread while the child starts the core: it takes
+        # seconds for a large vocabulary (a GGUF file's is built from its metadata). The
+        # model's config comes from the core, which read it with the weights.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            front = pool.submit(lambda: (load_model_config(path), load_tokenizer(tokenizer_path)))
+            front = pool.submit(load_tokenizer, tokenizer_path)
             client = make_client(mode, engine_args, threads=threads)
         try:
-            model_config, tokenizer = front.result()
+            tokenizer = front.result()
+            model_config = client.config.model_config or load_model_config(path)
         except BaseException:
             client.shutdown()
             raise

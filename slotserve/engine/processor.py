@@ -303,7 +303,7 @@ class Processor:
         if params.structured_outputs is not None and continuation_of is None:
             # Built and checked here, so a bad constraint never reaches the core; a session's
             # grammar comes with its first chunk (LLMEngine checks the later ones).
-            from slotserve.structured_output import checked_grammar
+            from slotserve.structured_output.grammar import checked_grammar
 
             grammar = checked_grammar(params.structured_outputs)
         if (not self.clip_max_tokens and not resumable and params.max_tokens is not None

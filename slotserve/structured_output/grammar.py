@@ -11,20 +11,29 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any
-
-import llguidance
+from typing import TYPE_CHECKING, Any
 
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import StructuredOutputsParams
 from slotserve.structured_output.budget import check_regex_budget, check_schema_budget
 from slotserve.structured_output.limits import error_excerpt, parser_limits
 
+if TYPE_CHECKING:
+    import llguidance
+
+
+def _matcher() -> type[llguidance.LLMatcher]:
+    """llguidance's matcher, imported at the first constraint: the server's front imports
+    this module with the tool parsers, and most servers never see a grammar."""
+    import llguidance
+
+    return llguidance.LLMatcher
+
 
 def json_schema_grammar(schema: dict[str, Any], *, compact: bool = True) -> str:
     """Compact: JSON written with the schema's structure only, no whitespace between tokens
     (a schema may still ask for more in its "x-guidance" options)."""
-    return llguidance.LLMatcher.grammar_from_json_schema(
+    return _matcher().grammar_from_json_schema(
         schema, defaults={"whitespace_flexible": not compact})
 
 
@@ -66,12 +75,12 @@ def grammar_text(spec: StructuredOutputsParams) -> tuple[str, str]:
             "structured_outputs.json_object"
     if spec.regex is not None:
         check_regex_budget(spec.regex, "structured_outputs.regex")
-        return llguidance.LLMatcher.grammar_from_regex(spec.regex), "structured_outputs.regex"
+        return _matcher().grammar_from_regex(spec.regex), "structured_outputs.regex"
     if spec.choice is not None:
         lark = "start: " + " | ".join(lark_string(c) for c in spec.choice)
-        return llguidance.LLMatcher.grammar_from_lark(lark), "structured_outputs.choice"
+        return _matcher().grammar_from_lark(lark), "structured_outputs.choice"
     assert spec.grammar is not None  # StructuredOutputsParams holds exactly one
-    return llguidance.LLMatcher.grammar_from_lark(spec.grammar), "structured_outputs.grammar"
+    return _matcher().grammar_from_lark(spec.grammar), "structured_outputs.grammar"
 
 
 _VALIDATED: OrderedDict[int, str] = OrderedDict()  # hash of the text -> its complaint
@@ -89,7 +98,7 @@ def grammar_error(grammar: str) -> str:
         if key in _VALIDATED:
             _VALIDATED.move_to_end(key)
             return _VALIDATED[key]
-    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
+    error = _matcher().validate_grammar(grammar, limits=parser_limits())
     error = error_excerpt(error) if error else ""
     with _validated_lock:
         _VALIDATED[key] = error

@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import llguidance
+if TYPE_CHECKING:  # imported where a grammar is checked: the front reads the limits first
+    import llguidance
 
 # The lexer's states are its memory (1-2 kB each, against llguidance's default of 250,000);
 # JSON schemas of real APIs need a few thousand.
@@ -35,6 +37,8 @@ _CUT_MARKERS = ("\nstack backtrace", "\nnote: run with", "<non-verbose/>", "\n<s
 def parser_limits() -> llguidance.LLParserLimits:
     """The limits every compile and validation uses (never verbose: a verbose error includes
     the parser state and the grammar)."""
+    import llguidance
+
     return llguidance.LLParserLimits(max_lexer_states=MAX_LEXER_STATES,
                                      step_max_items=STEP_MAX_ITEMS,
                                      max_grammar_size=MAX_GRAMMAR_SIZE, verbose_errors=False)

@@ -11,7 +11,7 @@ from typing import Any
 import llguidance
 import pytest
 
-from slotserve.structured_output import GuidanceBackend
+from slotserve.structured_output.backend import GuidanceBackend
 from slotserve.structured_output.manager import CompilingGrammar, StructuredOutputManager
 from tests.helpers import TOKENIZER_EOS
 

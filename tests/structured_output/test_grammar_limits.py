@@ -14,7 +14,7 @@ import pytest
 from slotserve.entrypoints.llm import LLM
 from slotserve.errors import RequestValidationError
 from slotserve.sampling_params import SamplingParams, StructuredOutputsParams
-from slotserve.structured_output import GrammarCompileError, GuidanceBackend
+from slotserve.structured_output.backend import GrammarCompileError, GuidanceBackend
 from slotserve.structured_output.budget import MAX_OPTIONAL_PROPERTIES
 from slotserve.structured_output.grammar import checked_grammar
 from slotserve.structured_output.limits import MAX_ERROR_CHARS, RateLimitedLog, error_excerpt
