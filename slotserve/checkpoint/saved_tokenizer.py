@@ -13,14 +13,56 @@ results; `to_hf()` builds the wrapper for code that needs the real one.
 from __future__ import annotations
 
 import functools
+import gc
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+
+def load_backend(tokenizer_file: Path) -> Tokenizer:
+    """The Rust tokenizer of a tokenizer.json, its BPE vocabulary built from parsed lists.
+
+    `Tokenizer.from_file` parses the model into a JSON tree first and moves the vocabulary's
+    strings out of it, so they stay scattered among the tree's freed nodes: for Gemma's 262k
+    tokens the tokenizer keeps 97 MB resident for 68 MB of live data, even after
+    `malloc_trim`. Built from lists (`bpe_from_lists`), the same tokenizer (its serialization
+    is equal, byte for byte) keeps 76 MB, for ~0.2 s more."""
+    with tokenizer_file.open("rb") as f:
+        doc = json.load(f)
+    tok = bpe_from_lists(doc)
+    del doc
+    gc.collect()  # the parsed lists, before the caller trims the heap
+    return tok if tok is not None else Tokenizer.from_file(str(tokenizer_file))
+
+
+def bpe_from_lists(doc: dict[str, Any]) -> Tokenizer | None:
+    """A parsed tokenizer.json's tokenizer, its BPE model built from the parsed vocabulary and
+    merges (consumed); None for another model type or where the result would differ. The
+    rest loads through a copy of the document whose model holds only the added tokens:
+    their ids come from the model's vocabulary as it loads."""
+    model = doc.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        return None
+    added = {a["content"]: a["id"] for a in doc.get("added_tokens", ())}
+    try:
+        tok = Tokenizer.from_str(json.dumps({**doc, "model": {**model, "vocab": added,
+                                                                "merges": []}}))
+        options = {k: v for k, v in model.items()
+                   if k not in ("type", "vocab", "merges") and v is not None}
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
+                  for m in model.pop("merges")]
+        tok.model = models.BPE(model.pop("vocab"), merges, **options)
+    except Exception:  # noqa: BLE001 - from_file gives the file's own error, if any
+        return None
+    if any(tok.token_to_id(content) != i for content, i in added.items()):
+        return None
+    return tok
 
 
 class SavedTokenizer:
@@ -30,7 +72,7 @@ class SavedTokenizer:
     def __init__(self, tokenizer_file: Path, special_tokens: Mapping[str, str],
                  chat_template: str | None) -> None:
         self.tokenizer_file = tokenizer_file
-        self.backend_tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.backend_tokenizer = load_backend(tokenizer_file)
         self.special_tokens_map: dict[str, str] = dict(special_tokens)
         self.chat_template = chat_template
         self.name_or_path = str(tokenizer_file.parent)

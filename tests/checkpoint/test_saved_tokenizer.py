@@ -4,10 +4,13 @@ llguidance's tokenizer built from it must be the one `llguidance.hf.from_tokeniz
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from tokenizers import Tokenizer
 
 from slotserve.checkpoint import load_tokenizer
-from slotserve.checkpoint.saved_tokenizer import SavedTokenizer
+from slotserve.checkpoint.saved_tokenizer import SavedTokenizer, bpe_from_lists
 from slotserve.structured_output.backend import ll_tokenizer
 from tests.checkpoint.conftest import BundledGGUF
 from tests.checkpoint.gguf_convert import Q
@@ -72,3 +75,18 @@ def test_grammar_tokenizer_equals_llguidance_own(saved: SavedTokenizer) -> None:
     ids = saved.encode("The capital of France is", add_special_tokens=False)
     assert ours.decode_str(ids) == theirs.decode_str(ids)
 
+
+
+def test_vocabulary_built_from_lists_is_the_files(saved: SavedTokenizer) -> None:
+    """`load_backend` builds a BPE model from parsed lists (less heap kept than from_file's
+    JSON tree): the tokenizer is the file's, serialization for serialization."""
+    text = saved.tokenizer_file.read_text()
+    built = bpe_from_lists(json.loads(text))
+    assert built is not None  # the bundled model's tokenizer takes that path
+    assert built.to_str() == Tokenizer.from_file(str(saved.tokenizer_file)).to_str()
+    assert saved.backend_tokenizer.to_str() == built.to_str()
+    # Another model type loads as from_file loads it.
+    doc = json.loads(text)
+    doc["model"] = {"type": "WordLevel", "vocab": {"a": 0, "<unk>": 1}, "unk_token": "<unk>"}
+    doc["added_tokens"] = []
+    assert bpe_from_lists(json.loads(json.dumps(doc))) is None
