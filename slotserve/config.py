@@ -137,9 +137,9 @@ class EngineConfig:
     native_attention: bool = True
     # --enable-lora's settings (slotserve/lora); None: LoRA off.
     lora_config: LoRAConfig | None = None
-    # The model's config as the core read it with the weights (None before): a front in
-    # another process takes it from here instead of reading the checkpoint again, which for
-    # a GGUF file would import numpy and gguf there (~20 MB resident) for a few numbers.
+    # The model's config as the core read it with the weights (None before): the front takes
+    # it from here instead of reading the checkpoint again, which in a front process of its
+    # own would import numpy and gguf (~20 MB resident) for a few numbers.
     model_config: ModelConfig | None = None
 
     @property

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from slotserve.checkpoint.tokenizer import backend_tokenizer
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.core_client import EngineCoreClient, EngineMode, make_client
-from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
+from slotserve.engine.loading import eos_token_ids, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats
 from slotserve.engine.output_processor import OutputProcessor
 from slotserve.engine.processor import ProcessedRequest, Processor, PromptType
@@ -46,6 +46,14 @@ def check_session_chunk(session_spec: StructuredOutputsParams | None,
         raise RequestValidationError("min_tokens cannot be combined with structured outputs "
                                      "(the grammar decides where the output ends)",
                                      "min_tokens")
+
+
+def _core_model_config(client: EngineCoreClient) -> ModelConfig:
+    """The model's config as the core read it with the weights: the front does not read the
+    checkpoint again (in a front process of its own that would import numpy and gguf)."""
+    model_config = client.config.model_config
+    assert model_config is not None, "EngineCore.from_engine_args sets it"
+    return model_config
 
 
 class LLMEngine:
@@ -78,8 +86,9 @@ class LLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs | None = None, *,
                          mode: EngineMode = "inproc", threads: int | None = None,
                          **kwargs: Any) -> LLMEngine:
-        """Load the front's model config and tokenizer, and start the core where `mode` says
-        (`threads`: the torch threads of a child process)."""
+        """Load the front's tokenizer and start the core where `mode` says (`threads`: the
+        torch threads of a child process); the model's config is the one the core read with
+        the weights (EngineConfig.model_config), in every mode."""
         if engine_args is None:
             engine_args = EngineArgs.from_kwargs(**kwargs)
         elif kwargs:
@@ -89,22 +98,20 @@ class LLMEngine:
         if mode != "process":
             # In one process the front loads first: importing transformers on a thread while
             # the core imports llguidance (which reads transformers' attributes) races.
-            model_config = load_model_config(path)
             tokenizer = load_tokenizer(tokenizer_path)
-            return cls(make_client(mode, engine_args, threads=threads), tokenizer, model_config)
+            client = make_client(mode, engine_args, threads=threads)
+            return cls(client, tokenizer, _core_model_config(client))
         # The front loads its tokenizer on a thread while the child starts the core: it takes
-        # seconds for a large vocabulary (a GGUF file's is built from its metadata). The
-        # model's config comes from the core, which read it with the weights.
+        # seconds for a large vocabulary (a GGUF file's is built from its metadata).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             front = pool.submit(load_tokenizer, tokenizer_path)
             client = make_client(mode, engine_args, threads=threads)
         try:
             tokenizer = front.result()
-            model_config = client.config.model_config or load_model_config(path)
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, tokenizer, model_config)
+        return cls(client, tokenizer, _core_model_config(client))
 
     # ----- requests -------------------------------------------------------------------------
 
