@@ -9,9 +9,6 @@ with `copy_blocks`, and nothing else.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import mmap
 import warnings
 
 import numpy as np
@@ -19,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from slotserve.checkpoint.gguf_file import GGUFTensor
+from slotserve.checkpoint.gguf_file import GGUFTensor, drop_pages as _drop_pages
 
 CheckpointTensor = torch.Tensor | GGUFTensor
 
@@ -47,25 +44,6 @@ def copy_blocks(tensor: GGUFTensor, out: torch.Tensor) -> None:
     np.copyto(out.numpy(), data, casting="no")
     if isinstance(tensor.data, np.memmap):
         _drop_pages(tensor.data)
-
-
-def _drop_pages(data: np.ndarray) -> None:
-    """Unmap the whole pages under `data` from this process (MADV_DONTNEED on a read-only
-    file map: they stay in the page cache, and a later read faults them back in), so bytes
-    that were copied are not resident twice while the rest of the map serves as weights."""
-    if not hasattr(mmap, "MADV_DONTNEED"):
-        return  # not a POSIX system: the copy is resident twice until the map closes
-    page = mmap.PAGESIZE
-    start = -(-data.ctypes.data // page) * page
-    end = (data.ctypes.data + data.nbytes) // page * page
-    if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                        mmap.MADV_DONTNEED)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def map_blocks(tensor: GGUFTensor, shape: tuple[int, int]) -> torch.Tensor | None:

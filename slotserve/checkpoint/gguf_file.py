@@ -9,7 +9,10 @@ starts read that and map the tensor bytes directly.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -197,3 +200,22 @@ def open_gguf(path: Path, derive_config: Any) -> GGUFFile:
         raise ModelLoadError(f"cannot read {str(path)!r}: {exc}") from exc
     folder = cache.get_or_build(cache.entry_dir("gguf", key) / "index", build)
     return GGUFFile(path, cache.read_json(folder / INDEX_FILE))
+
+
+def drop_pages(data: np.ndarray) -> None:
+    """Unmap the whole pages under `data` from this process (MADV_DONTNEED on a read-only
+    file map: they stay in the page cache, and a later read faults them back in), so bytes
+    that were copied are not resident twice while the rest of the map serves as weights."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return  # not a POSIX system: the copy is resident twice until the map closes
+    page = mmap.PAGESIZE
+    start = -(-data.ctypes.data // page) * page
+    end = (data.ctypes.data + data.nbytes) // page * page
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                        mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from slotserve.models import native_build
+from slotserve.models import native_build, paged_decode_lib
 from slotserve.models.kv_storage import KV_CODES, row_elems
 from slotserve.models.native_build import (
-    CSRC,
-    KernelSource,
     NativeBuildError,
+    NativeKernelError,
     cache_dir,
     find_compiler,
     kernel_pool,
@@ -41,26 +39,17 @@ __all__ = ["NativeBuildError", "NativeKernelError", "cache_dir", "compile_librar
 
 logger = logging.getLogger(__name__)
 
-SOURCE = CSRC / "paged_decode.c"
-# Tried in order: the vectorized expf from libmvec, then plain libm.
-KERNEL = KernelSource(
-    "paged_decode", SOURCE,
-    ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-     "-shared", "-fPIC"),
-    (("-DUSE_MVEC", "-lmvec", "-lm"), ("-lm",)))
+SOURCE = paged_decode_lib.SOURCE
+KERNEL = paged_decode_lib.KERNEL
 # The kernel's return codes (the enum at the top of paged_decode.c).
 _ERRORS = {1: "a context length is < 1 or longer than its block-table row",
            2: "a block id is outside the KV cache",
            3: "the scratch buffer is too small for the attended tokens",
            4: "the KV cache's storage type is unknown to the kernel"}
 
-KernelFn = Callable[..., int]
+KernelFn = paged_decode_lib.KernelFn
 # None: not tried yet; False: unavailable (already logged); else the ctypes function.
 _native_fn: KernelFn | bool | None = None
-
-
-class NativeKernelError(ValueError):
-    """The kernel was called with arguments it cannot use (nothing was read out of bounds)."""
 
 
 def compile_library(cc: str, cache: Path) -> Path:
@@ -69,19 +58,13 @@ def compile_library(cc: str, cache: Path) -> Path:
 
 
 def _load(lib: Path | ctypes.CDLL) -> KernelFn:
-    dll = lib if isinstance(lib, ctypes.CDLL) else ctypes.CDLL(str(lib))
-    fn = dll.slotserve_paged_decode
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, i, p, p, i, p, i, p, i, p, i, p, i, i, i, i, i, i, i, ctypes.c_float, i,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return paged_decode_lib.bind(lib)
 
 
 def _build_native() -> KernelFn | None:
-    """Compile (or reuse) and load the kernel; None, after logging why, when that fails."""
-    dll = native_build.load_kernel(KERNEL, "decode attention uses the torch path")
-    return None if dll is None else _load(dll)
+    """The kernel, built and loaded on the first call; None, after logging why, when that
+    fails."""
+    return paged_decode_lib.load()
 
 
 def native_decode_supported(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:

@@ -122,6 +122,10 @@ def cpu_level() -> CpuLevel:
                       f"{', '.join(lv.name for lv in levels)}; levels: {known})")
 
 
+class NativeKernelError(ValueError):
+    """A kernel was called with arguments it cannot use (nothing was read out of bounds)."""
+
+
 class NativeBuildError(RuntimeError):
     """The C compiler rejected the kernel with every link variant."""
 

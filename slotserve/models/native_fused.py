@@ -16,67 +16,28 @@ strides) and raises `NativeKernelError`; the C code checks the slot ids it write
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
-
 import torch
 
-from slotserve.models import native_build
+from slotserve.models import fused_lib
+from slotserve.models.fused_lib import ACT_CODES, FusedLib
 from slotserve.models.kv_storage import KV_CODES, row_elems
-from slotserve.models.native_attention import NativeKernelError
-from slotserve.models.native_build import CSRC, KernelSource
+from slotserve.models.native_build import NativeKernelError
 
-KERNEL = KernelSource(
-    "fused_ops", CSRC / "fused_ops.c",
-    # No contraction into FMAs: the torch formulas round after every multiply.
-    ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-     "-ffp-contract=off", "-shared", "-fPIC"),
-    (("-DUSE_MVEC", "-lmvec", "-lm"), ("-lm",)))
-
-ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
-
-_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-class _Lib:
-    def __init__(self, dll: ctypes.CDLL) -> None:
-        def fn(name: str, args: list[type], res: type | None = None) -> Callable[..., int]:
-            f = getattr(dll, name)
-            f.argtypes, f.restype = args, res
-            return f  # type: ignore[no-any-return]
-
-        self.rms_norm = fn("slotserve_rms_norm", [_P, _I, _P, _P, _I, _I, _I, _F])
-        self.add_rms_norm = fn("slotserve_add_rms_norm", [_P, _P, _I, _P, _P, _I, _I, _F])
-        self.rms_norm_add = fn("slotserve_rms_norm_add",
-                               [_P, _P, _I, _P, _P, _P, _I, _I, _F])
-        self.gated_act = fn("slotserve_gated_act", [_P, _I, _I, _P, _C])
-        self.qkv_rope_store = fn("slotserve_qkv_rope_store",
-                                 [_P, _I, _I, _I, _I, _I, _P, _P, _F, _P, _P, _P, _P, _I, _P,
-                                  _C, _I], ctypes.c_int)
-        self.rope_rows = fn("slotserve_rope_rows", [_P, _P, _I, _I, _P, _I, _P, _P],
-                            ctypes.c_int)
-
-
-# None: not tried yet; False: unavailable (already logged).
-_lib: _Lib | bool | None = None
-
+__all__ = ["ACT_CODES", "native_fused_supported"]
 
 def native_fused_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this model's layers can use the fused native ops (building them on first
     call; a failed build is logged once and cached)."""
-    global _lib
     if dtype != torch.float32 or device.type != "cpu":
         return False
-    if _lib is None:
-        dll = native_build.load_kernel(KERNEL, "the layers use the torch ops")
-        _lib = _Lib(dll) if dll is not None else False
-    return _lib is not False
+    return fused_lib.load() is not None
 
 
-def _get() -> _Lib:
-    if not isinstance(_lib, _Lib):
+def _get() -> FusedLib:
+    lib = fused_lib.loaded()
+    if lib is None:
         raise NativeKernelError("fused ops: called before native_fused_supported() built them")
-    return _lib
+    return lib
 
 
 # The checks run on every call, so they are plain comparisons; messages are only built for a

@@ -28,12 +28,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slotserve.models import native_attention, native_fused
+from slotserve.models import fused_lib, native_attention, native_fused
 from slotserve.models.attention import AttentionMetadata, AttentionMetadataMap
+from slotserve.models.decode_layers_abi import (
+    KIND_GEMMA3,
+    KIND_LLAMA,
+    WINDOWS,
+    LayerFns,
+    LayerRec,
+    MmRec,
+    StepRec,
+    layers_error,
+)
 from slotserve.models.fused import NATIVE_OPS, RMSNorm
 from slotserve.models.kv_storage import KV_CODES, row_elems
-from slotserve.models.native_attention import NativeKernelError
-from slotserve.models.native_qmatmul_plan import MAX_WEIGHTS_PER_CALL, PARALLEL_MIN_WORK
+from slotserve.models.native_build import NativeKernelError
+from slotserve.models.qmatmul_lib import MAX_WEIGHTS_PER_CALL, PARALLEL_MIN_WORK
 from slotserve.models.quantization import QuantizedLinear
 
 if TYPE_CHECKING:
@@ -41,40 +51,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _F32, _I64 = torch.float32, torch.int64
-KIND_GEMMA3, KIND_LLAMA = 0, 1
-_WINDOWS = 4  # q8layers.h's QL_WINDOWS
-_OPS = {1: "q/k/v product", 2: "q/k norm, RoPE and K/V write", 3: "attention",
-        4: "o_proj", 5: "gate/up product", 6: "down_proj"}
-
-
-class _Fns(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("rms_norm", "add_rms_norm", "rms_norm_add",
-                                        "gated_act", "qkv_rope_store", "paged_decode")]
-
-
-class _Mm(ctypes.Structure):
-    _fields_ = [("segs", _P), ("nseg", _I), ("k", _I), ("columns", _I), ("work", _I)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("kind", _I), ("in_w", _P), ("post_attn_w", _P), ("pre_ff_w", _P),
-                ("post_ff_w", _P), ("q_norm_w", _P), ("k_norm_w", _P), ("eps", _D),
-                ("qk_eps", _D), ("scale", _D), ("qkv", _Mm), ("o", _Mm), ("gate_up", _Mm),
-                ("down", _Mm), ("nh", _I), ("kvh", _I), ("head_dim", _I), ("inter", _I),
-                ("act", _I), ("k_cache", _P), ("v_cache", _P), ("num_blocks", _I),
-                ("block_size", _I), ("row_bytes", _I), ("kv_code", _I), ("rope", _I),
-                ("window", _I)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("m", _I), ("hidden", _I), ("threads", _I), ("min_work", _I),
-                *((name, _P) for name in ("h", "x", "qkv", "attn", "o", "gu", "act")),
-                ("cos", _P * 2), ("sin", _P * 2), ("slot_mapping", _P), ("block_table", _P),
-                ("ctx_lens", _P), ("max_blocks", _I), ("windows", _I * _WINDOWS),
-                ("scores", _P), ("score_rows", _I), ("score_len", _I), ("q8", _P),
-                ("q8_len", _I)]
 
 
 def enabled() -> bool:
@@ -89,14 +66,14 @@ def _addr(fn: Any) -> int:
     return int(value)
 
 
-def _mm(linear: object) -> tuple[_Mm, object, int] | None:
+def _mm(linear: object) -> tuple[MmRec, object, int] | None:
     """The record of one projection's plan (with the plan, kept alive, and its scratch per
     row), or None when it has no single int8 call."""
     if type(linear) is not QuantizedLinear or not linear.int8 or linear.bias is not None \
             or len(linear.segments) > MAX_WEIGHTS_PER_CALL:
         return None
     plan = linear.plan()
-    rec = _Mm(plan._addr, plan._nseg, plan.k, plan.columns, plan._work)
+    rec = MmRec(plan._addr, plan._nseg, plan.k, plan.columns, plan._work)
     return rec, plan, plan._row_scratch
 
 
@@ -112,7 +89,7 @@ def _norm_w(norm: object, d: int) -> int | None:
 
 @dataclass(slots=True)
 class _Built:
-    layers: ctypes.Array[_Layer]
+    layers: ctypes.Array[LayerRec]
     plans: list[tuple[QuantizedLinear, object]]  # (module, its plan when built)
     caches: list[tuple[torch.Tensor, torch.Tensor]]
     row_scratch: int  # the largest q8 scratch a row of any product needs
@@ -126,9 +103,9 @@ class DecodeLayers:
     def __init__(self) -> None:
         self._built: _Built | None = None
         self._failed: str | None = None  # why this model has no native decode path
-        self._fns: _Fns | None = None
+        self._fns: LayerFns | None = None
         self._call: Callable[..., int] | None = None
-        self._step = _Step()
+        self._step = StepRec()
         self._work = torch.empty(0, dtype=_F32)
         self._q8 = torch.empty(0, dtype=torch.uint8)
 
@@ -139,14 +116,14 @@ class DecodeLayers:
         from slotserve.models.gemma3 import Gemma3DecoderLayer
         from slotserve.models.llama import DecoderLayer
 
-        if native_fused._lib in (None, False) or not callable(native_attention._native_fn):
+        if fused_lib.loaded() is None or not callable(native_attention._native_fn):
             return "the native glue or attention kernel is not loaded"
         layers: list[Any] = list(model.model.layers)
         if len(kv_caches) != len(layers) or not layers:
             return "one KV cache per layer"
         cfg = model.config
         d = cfg.hidden_size
-        recs = (_Layer * len(layers))()
+        recs = (LayerRec * len(layers))()
         plans: list[tuple[QuantizedLinear, object]] = []
         windows: list[int | None] = []
         row_scratch, lib, widths = 0, None, (0, 0, 0, 0, 0, 0)
@@ -197,8 +174,8 @@ class DecodeLayers:
                     or down.k != inter or down.columns != d:
                 return f"layer {i}: the projections' shapes do not chain"
             if attn.window not in windows:
-                if len(windows) == _WINDOWS:
-                    return f"more than {_WINDOWS} window sizes"
+                if len(windows) == WINDOWS:
+                    return f"more than {WINDOWS} window sizes"
                 windows.append(attn.window)
             eps = layer.input_layernorm.eps
             if any(n.eps != eps for n in (layer.post_attention_layernorm,
@@ -206,7 +183,7 @@ class DecodeLayers:
                                               layer.post_feedforward_layernorm)
                                              if kind == KIND_GEMMA3 else ()))):
                 return f"layer {i}: the norms' eps differ"
-            recs[i] = _Layer(
+            recs[i] = LayerRec(
                 kind, norms[0], norms[1], norms[2] if kind == KIND_GEMMA3 else None,
                 norms[3] if kind == KIND_GEMMA3 else None, qn, kn, eps,
                 attn.q_norm.eps if attn.qk_norm else 0.0, attn.scale, qkv, o, gu, down, nh,
@@ -218,9 +195,9 @@ class DecodeLayers:
         if lib is None or not hasattr(lib, "decode_layers"):
             return "the kernel library has no decode_layers"
         if self._fns is None:
-            f = native_fused._lib
-            assert isinstance(f, native_fused._Lib)
-            self._fns = _Fns(_addr(f.rms_norm), _addr(f.add_rms_norm), _addr(f.rms_norm_add),
+            f = fused_lib.loaded()
+            assert f is not None
+            self._fns = LayerFns(_addr(f.rms_norm), _addr(f.add_rms_norm), _addr(f.rms_norm_add),
                              _addr(f.gated_act), _addr(f.qkv_rope_store),
                              _addr(native_attention._native_fn))
         self._call = lib.decode_layers
@@ -316,7 +293,5 @@ class DecodeLayers:
         rc = self._call(ctypes.byref(self._fns), built.layers, len(built.layers),
                         ctypes.byref(s))
         if rc != 0:
-            layer, op, code = (rc >> 16) - 1, (rc >> 8) & 0xff, rc & 0xff
-            raise NativeKernelError(f"decode layers: layer {layer}, {_OPS.get(op, op)}: "
-                                    f"native error {code}")
+            raise layers_error("decode layers", rc)
         return True

@@ -22,35 +22,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from slotserve.models.native_attention import NativeKernelError
+from slotserve.models.native_build import NativeKernelError
+from slotserve.models.qmatmul_lib import (
+    MAX_WEIGHTS_PER_CALL,
+    PARALLEL_MIN_WORK,
+    QmmSeg,
+    kernel_error,
+)
 
 if TYPE_CHECKING:
     from slotserve.models.native_qmatmul import QuantWeight
 
-_ERRORS = {1: "the weight type has no kernel",
-           2: "the shape does not fit the type's block layout or the row range is bad",
-           3: "the scratch buffer is too small",
-           4: "a row id is outside the weight"}
-# Below this many multiply-adds per call (about 15 us of one core's work) a second thread is
-# not worth its hand-off. The helpers (csrc/q8pool.h) cost the caller little even when they
-# are late: it runs the chunks they have not claimed and takes back a job not started. So at
-# one sequence every matrix of Gemma 3 270M's layers splits (the smallest, o_proj, is 655k);
-# OpenMP's team, whose barrier waits for a descheduled member, needed a 16M bar here.
-PARALLEL_MIN_WORK = 1 << 18
-MAX_WEIGHTS_PER_CALL = 8  # q8call.h's Q8X_MAX_SEGS
 _local = threading.local()
 _F32 = torch.float32
-
-
-def kernel_error(what: str, rc: int) -> NativeKernelError:
-    return NativeKernelError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
-
-
-class _Seg(ctypes.Structure):
-    """q8call.h's qmm_seg, field for field."""
-
-    _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
-                ("col", ctypes.c_int64), ("type", ctypes.c_int32), ("packed", ctypes.c_int32)]
 
 
 def _scratch(nbytes: int) -> tuple[int, int]:
@@ -81,8 +65,8 @@ class QMatmulPlan:
                                         "int8, of one library and one k, and fit the output")
         self.weights = [w for w, _ in weights]  # keeps their blocks alive
         self.k, self.columns = k, columns
-        self._segs = (_Seg * len(weights))(*(
-            _Seg(w.blocks.data_ptr(), w.n, w.row_bytes, col, w.qtype, int(w.packed))
+        self._segs = (QmmSeg * len(weights))(*(
+            QmmSeg(w.blocks.data_ptr(), w.n, w.row_bytes, col, w.qtype, int(w.packed))
             for w, col in weights))
         self._addr = ctypes.addressof(self._segs)
         self._nseg = len(weights)

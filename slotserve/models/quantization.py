@@ -28,11 +28,11 @@ from torch import nn
 
 from slotserve.checkpoint.dequant import (
     CheckpointTensor,
-    _drop_pages as drop_pages,
     copy_blocks,
     gguf_type,
     map_blocks,
 )
+from slotserve.checkpoint.gguf_file import drop_pages
 from slotserve.config import QuantizationMode
 from slotserve.errors import ModelLoadError
 from slotserve.models.native_qmatmul import (
@@ -42,7 +42,8 @@ from slotserve.models.native_qmatmul import (
     kernel_isa,
     qmatmul_available,
 )
-from slotserve.models.native_qmatmul_plan import MAX_WEIGHTS_PER_CALL, QMatmulPlan
+from slotserve.models.native_qmatmul_plan import QMatmulPlan
+from slotserve.models.qmatmul_lib import MAX_WEIGHTS_PER_CALL
 from slotserve.models.weight_utils import ShardedLinear, checkpoint_names, default_weight_loader
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ they are covered too, with no padding per weight. Only the written part of a chu
 resident (at most one huge page more). A chunk is freed when the last weight in it is; the
 arena keeps only a weak reference to the chunk it is filling.
 
-`SLOTSERVE_HUGE_PAGES=0` allocates with `torch.empty` instead (A/B runs); so does a system
-without THP or without `madvise`.
+`SLOTSERVE_HUGE_PAGES=0` allocates plain memory instead (A/B runs); so does a system without
+THP or without `madvise`. Torch-free: the arena hands out numpy arrays (`weight_array`), the
+torch modules view them as tensors (`weight_buffer`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ import os
 import sys
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
 
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20
@@ -54,7 +60,7 @@ def huge_pages_available() -> bool:
 
 
 class WeightArena:
-    """Bump allocation of uint8 tensors from huge-page chunks."""
+    """Bump allocation of uint8 arrays from huge-page chunks."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
@@ -62,15 +68,14 @@ class WeightArena:
         self._offset = self._end = 0
         self._lock = threading.Lock()
 
-    def empty(self, nbytes: int) -> torch.Tensor:
-        """An uninitialized uint8 tensor of `nbytes` (at least 1) on huge pages."""
+    def empty(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """An uninitialized uint8 array of `nbytes` (at least 1) on huge pages."""
         nbytes = max(1, nbytes)
         with self._lock:
             chunk = self._chunk() if self._chunk is not None else None
             if chunk is None or self._offset + nbytes > self._end:
                 chunk = self._new_chunk(nbytes)
-            out = torch.frombuffer(chunk, dtype=torch.uint8, count=nbytes,
-                                   offset=self._offset)
+            out = np.frombuffer(chunk, dtype=np.uint8, count=nbytes, offset=self._offset)
             self._offset = _round_up(self._offset + nbytes, ALIGN)
         return out
 
@@ -78,7 +83,7 @@ class WeightArena:
         size = max(self.chunk_bytes, _round_up(nbytes, HUGE_PAGE)) + HUGE_PAGE
         # Private: an anonymous shared map is shmem, whose huge pages are a separate setting.
         chunk = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        base = torch.frombuffer(chunk, dtype=torch.uint8, count=1).data_ptr()
+        base = np.frombuffer(chunk, dtype=np.uint8, count=1).ctypes.data
         start = _round_up(base, HUGE_PAGE) - base  # a multiple of the 4 KiB page
         chunk.madvise(mmap.MADV_HUGEPAGE, start, size - start)
         self._chunk = weakref.ref(chunk)
@@ -89,8 +94,15 @@ class WeightArena:
 _arena = WeightArena()
 
 
-def weight_buffer(nbytes: int) -> torch.Tensor:
-    """An uninitialized uint8 tensor for a repacked weight: on huge pages where available."""
+def weight_array(nbytes: int) -> npt.NDArray[np.uint8]:
+    """An uninitialized uint8 array for a repacked weight: on huge pages where available."""
     if huge_pages_available():
         return _arena.empty(nbytes)
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return np.empty(max(1, nbytes), dtype=np.uint8)[:nbytes]
+
+
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """`weight_array` as a tensor (the torch modules' weights; it shares the memory)."""
+    import torch
+
+    return torch.from_numpy(weight_array(nbytes))

@@ -25,7 +25,7 @@ from slotserve.config import CacheConfig, SchedulerConfig
 from slotserve.core.request import Request
 from slotserve.core.scheduler import Scheduler
 from slotserve.engine.args import NATIVE_ATTENTION_ENV, EngineArgs
-from slotserve.models import native_attention
+from slotserve.models import native_attention, paged_decode_lib
 from slotserve.models.attention import AttentionBackend
 from slotserve.models.native_attention import (
     NativeKernelError,
@@ -186,6 +186,7 @@ def test_failed_build_warns_once_and_falls_back(
     monkeypatch.setenv("CC", str(fake_cc))
     monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native_attention, "_native_fn", None)  # as in a fresh process
+    monkeypatch.setattr(paged_decode_lib, "_fn", None)
     with caplog.at_level(logging.WARNING, logger=native_attention.__name__):
         assert not native_decode_supported(torch.float32, CPU, 64)
         assert not native_decode_supported(torch.float32, CPU, 64)

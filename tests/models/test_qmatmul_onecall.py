@@ -20,7 +20,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from slotserve.models import native_build, native_qmatmul, native_qmatmul_plan
+from slotserve.models import native_build, native_qmatmul, native_qmatmul_plan, qmatmul_lib
 from slotserve.models.native_attention import NativeKernelError
 from slotserve.models.native_qmatmul import KERNEL_TYPES, QuantWeight, qmatmul_available
 from slotserve.models.native_qmatmul_plan import QMatmulPlan
@@ -138,24 +138,24 @@ def test_the_kernel_checks_the_list_and_the_scratch_itself() -> None:
     k, n, m = 64, 16, 2
     w = np.zeros((n, 68), dtype=np.uint8)
     x, y = np.zeros((m, k), np.float32), np.zeros((m, n), np.float32)
-    seg = native_qmatmul_plan._Seg(w.ctypes.data, n, 68, 0, int(Q.Q8_0), 0)
+    seg = qmatmul_lib.QmmSeg(w.ctypes.data, n, 68, 0, int(Q.Q8_0), 0)
     need = lib.q8_x_scratch(ctypes.addressof(seg), 1, k, m)
     assert need == m * lib.act_row_bytes(lib.act_kind[int(Q.Q8_0)], k)
     scratch = np.zeros(need, np.uint8)
 
-    def call(s: native_qmatmul_plan._Seg, size: int = need, nseg: int = 1) -> int:
+    def call(s: qmatmul_lib.QmmSeg, size: int = need, nseg: int = 1) -> int:
         return lib.q8_x(ctypes.addressof(s), nseg, k, x.ctypes.data, k, m, y.ctypes.data, n,
                         scratch.ctypes.data, size, 1)
 
     assert call(seg) == 0
     assert call(seg, need - 1) == 3
     assert call(seg, nseg=0) == 2 and call(seg, nseg=9) == 2
-    bad = [native_qmatmul_plan._Seg(w.ctypes.data, n, 68, 0, int(Q.Q2_K), 0),
-           native_qmatmul_plan._Seg(w.ctypes.data, n, 66, 0, int(Q.Q8_0), 0),
-           native_qmatmul_plan._Seg(w.ctypes.data, n, 68, 1, int(Q.Q8_0), 0)]
+    bad = [qmatmul_lib.QmmSeg(w.ctypes.data, n, 68, 0, int(Q.Q2_K), 0),
+           qmatmul_lib.QmmSeg(w.ctypes.data, n, 66, 0, int(Q.Q8_0), 0),
+           qmatmul_lib.QmmSeg(w.ctypes.data, n, 68, 1, int(Q.Q8_0), 0)]
     assert [call(s) for s in bad] == [1, 2, 2]
     if not lib.repack_rows[int(Q.Q8_0)]:  # a build without the packed layout refuses it
-        assert call(native_qmatmul_plan._Seg(w.ctypes.data, n, 68, 0, int(Q.Q8_0), 1)) == 1
+        assert call(qmatmul_lib.QmmSeg(w.ctypes.data, n, 68, 0, int(Q.Q8_0), 1)) == 1
 
 
 def test_helper_threads_survive_fork_and_concurrent_callers(monkeypatch: pytest.MonkeyPatch

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from slotserve.errors import ConfigError
-from slotserve.models import native_build, native_qmatmul
+from slotserve.models import native_build, native_qmatmul, qmatmul_lib
 from slotserve.models.native_qmatmul import QuantWeight, qmatmul_available
 from tests.checkpoint.gguf_convert import Q
 from tests.models.test_qmatmul_int8 import weight
@@ -65,12 +65,12 @@ def test_prefetch_changes_no_bit(level: native_build.CpuLevel, qtype: Q) -> None
 
 def test_policy_by_vendor_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLOTSERVE_PREFETCH", raising=False)
-    monkeypatch.setattr(native_qmatmul, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(native_qmatmul, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(qmatmul_lib, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(qmatmul_lib, "cpu_has_avx512", lambda: True)
     assert native_qmatmul.prefetch_policy() == (4096, 4, 16384, 0)
-    monkeypatch.setattr(native_qmatmul, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(qmatmul_lib, "cpu_has_avx512", lambda: False)
     assert native_qmatmul.prefetch_policy() == (4096, 4, 16384, 2048)
-    monkeypatch.setattr(native_qmatmul, "cpu_vendor", lambda: "GenuineIntel")
+    monkeypatch.setattr(qmatmul_lib, "cpu_vendor", lambda: "GenuineIntel")
     assert native_qmatmul.prefetch_policy() == (4096, 1, 0, 0)
     monkeypatch.setenv("SLOTSERVE_PREFETCH", "0")
     assert native_qmatmul.prefetch_policy() == (0, 1, 0, 0)

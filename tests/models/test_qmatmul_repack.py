@@ -30,7 +30,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from slotserve.models import native_build, native_qmatmul
+from slotserve.models import native_build, native_qmatmul, qmatmul_lib
 from slotserve.models.native_attention import NativeKernelError
 from slotserve.models.native_qmatmul import QuantWeight, qmatmul_available
 from tests.checkpoint.gguf_convert import Q
@@ -52,7 +52,7 @@ def kernel() -> None:
 
 
 @pytest.fixture(params=PACKED_LEVELS, ids=lambda lv: lv.name)
-def lib(request: pytest.FixtureRequest) -> native_qmatmul._Lib:
+def lib(request: pytest.FixtureRequest) -> qmatmul_lib.QMatmulLib:
     level: native_build.CpuLevel = request.param
     if level not in LEVELS:
         pytest.skip(f"this CPU does not run {level.name} ({level.what})")
@@ -62,7 +62,7 @@ def lib(request: pytest.FixtureRequest) -> native_qmatmul._Lib:
     return lib
 
 
-def check_packed(lib: native_qmatmul._Lib, qtype: Q, data: np.ndarray, dense: np.ndarray,
+def check_packed(lib: qmatmul_lib.QMatmulLib, qtype: Q, data: np.ndarray, dense: np.ndarray,
                  x: torch.Tensor, what: str) -> None:
     n, k = dense.shape
     plain = QuantWeight(torch.from_numpy(data), int(qtype), k, lib=lib)
@@ -82,7 +82,7 @@ def check_packed(lib: native_qmatmul._Lib, qtype: Q, data: np.ndarray, dense: np
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_packed_matmul_equals_llamacpps_scheme(lib: native_qmatmul._Lib, qtype: Q) -> None:
+def test_packed_matmul_equals_llamacpps_scheme(lib: qmatmul_lib.QMatmulLib, qtype: Q) -> None:
     block = GGML_QUANT_SIZES[qtype][0]
     rows = lib.repack_rows[int(qtype)]
     for i, (m, groups, blocks) in enumerate([(1, 1, 1), (2, 2, 3), (3, 3, 20), (4, 1, 2),
@@ -99,7 +99,7 @@ def test_packed_matmul_equals_llamacpps_scheme(lib: native_qmatmul._Lib, qtype: 
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_packed_matmul_at_the_extremes(lib: native_qmatmul._Lib, qtype: Q) -> None:
+def test_packed_matmul_at_the_extremes(lib: qmatmul_lib.QMatmulLib, qtype: Q) -> None:
     """Every weight byte 0xff (the largest nibbles, 5- and 6-bit values; Q8_0's -1) or random
     (Q8_0's -128 and 127), one small scale; activation rows whose every value quantizes to +-127,
     of one sign or mixed: the integer sums at their largest."""
@@ -133,7 +133,7 @@ def test_avx2_q8_0_passes_and_long_rows_change_no_bit(tmp_path: Path) -> None:
     default = native_qmatmul.level_library(v3)
     kernel = replace(native_qmatmul.KERNEL, cflags=(*native_qmatmul.KERNEL.cflags,
                                                     "-DRP_A16=1280"))
-    small = native_qmatmul._Lib(ctypes.CDLL(str(native_build.compile_library(kernel, cc,
+    small = qmatmul_lib.QMatmulLib(ctypes.CDLL(str(native_build.compile_library(kernel, cc,
                                                                               tmp_path, v3))))
     assert default is not None
     for k, seed in ((640, 11), (1312, 12)):
@@ -147,7 +147,7 @@ def test_avx2_q8_0_passes_and_long_rows_change_no_bit(tmp_path: Path) -> None:
         assert torch.equal(got, want), k
 
 
-def test_packed_thread_split_changes_no_bit(lib: native_qmatmul._Lib) -> None:
+def test_packed_thread_split_changes_no_bit(lib: qmatmul_lib.QMatmulLib) -> None:
     k, n = 640, 4096
     data, _ = weight(Q.Q5_0, n, k, seed=3)
     w = QuantWeight(torch.from_numpy(data), int(Q.Q5_0), k, lib=lib).repacked()
@@ -155,7 +155,7 @@ def test_packed_thread_split_changes_no_bit(lib: native_qmatmul._Lib) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_a_wide_call_gives_each_rows_bits(lib: native_qmatmul._Lib, qtype: Q) -> None:
+def test_a_wide_call_gives_each_rows_bits(lib: qmatmul_lib.QMatmulLib, qtype: Q) -> None:
     """A call of many rows decodes each group once ahead (Q4_0 / Q5_0 / Q6_K, more than one
     tile of rows); one row decodes as it goes: the same integer and float steps, so the same
     bits."""
@@ -172,7 +172,7 @@ def test_a_wide_call_gives_each_rows_bits(lib: native_qmatmul._Lib, qtype: Q) ->
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
-def test_packed_rows_are_the_gguf_rows(lib: native_qmatmul._Lib, qtype: Q) -> None:
+def test_packed_rows_are_the_gguf_rows(lib: qmatmul_lib.QMatmulLib, qtype: Q) -> None:
     k, n = 3 * GGML_QUANT_SIZES[qtype][0], 48
     data, _ = weight(qtype, n, k, seed=7)
     if qtype == Q.Q8_0:  # -128, whose + 128 and sign are the layout's edge
@@ -188,7 +188,7 @@ def test_packed_rows_are_the_gguf_rows(lib: native_qmatmul._Lib, qtype: Q) -> No
         packed.rows(torch.tensor([48]), torch.empty(1, k))
 
 
-def test_without_the_layout_weights_stay_as_they_are(lib: native_qmatmul._Lib) -> None:
+def test_without_the_layout_weights_stay_as_they_are(lib: qmatmul_lib.QMatmulLib) -> None:
     k = 64
     rows = lib.repack_rows[int(Q.Q8_0)]
     data, _ = weight(Q.Q8_0, rows + 1, k, seed=9)  # not whole groups

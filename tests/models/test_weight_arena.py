@@ -54,15 +54,15 @@ def test_a_repacked_weight_is_on_huge_pages() -> None:
 def test_buffers_are_aligned_disjoint_and_share_a_chunk() -> None:
     arena = WeightArena(chunk_bytes=8 * HUGE_PAGE)
     bufs = [arena.empty(n) for n in (1, 100, 4096, 65 * 1000, 3)]
-    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs)
-    assert all(b.data_ptr() % 64 == 0 for b in bufs)
+    spans = sorted((b.ctypes.data, b.ctypes.data + b.size) for b in bufs)
+    assert all(b.ctypes.data % 64 == 0 for b in bufs)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
     assert spans[-1][1] - spans[0][0] < 8 * HUGE_PAGE  # one chunk
     for i, b in enumerate(bufs):
-        b.fill_(i)
+        b.fill(i)
     assert [int(b[0]) for b in bufs] == list(range(len(bufs)))
     big = arena.empty(9 * HUGE_PAGE)  # larger than a chunk: a chunk of its own
-    assert big.data_ptr() % HUGE_PAGE == 0 and big.numel() == 9 * HUGE_PAGE
+    assert big.ctypes.data % HUGE_PAGE == 0 and big.size == 9 * HUGE_PAGE
 
 
 def test_a_chunk_is_freed_with_its_last_weight() -> None:
@@ -74,7 +74,7 @@ def test_a_chunk_is_freed_with_its_last_weight() -> None:
     gc.collect()
     assert chunk() is None  # the arena kept only a weak reference
     again = arena.empty(1024)  # and starts a new chunk
-    assert arena._chunk is not None and arena._chunk() is not None and again.numel() == 1024
+    assert arena._chunk is not None and arena._chunk() is not None and again.size == 1024
 
 
 def test_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@
 #define SLOTSERVE_Q8CALL_H
 #include "q8pool.h"
 
-/* One weight of a call; native_qmatmul.py's _Seg mirrors it field for field. */
+/* One weight of a call; qmatmul_lib.py's QmmSeg mirrors it field for field. */
 typedef struct {
     const uint8_t* w;   /* the blocks: GGUF layout, or slotserve_q8_repack's when `packed` */
     int64_t n;          /* rows */
