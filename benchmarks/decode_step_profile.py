@@ -144,8 +144,8 @@ def check_native(runner: ModelRunner, batch: int) -> float:
     outs = []
     for native in (False, True):
         runner.model.init_attention(native)  # the attention layer picks its decode path
-        ids, pos, meta = runner._prepare_inputs([f"r{i}" for i in range(batch)], slots, q_lens,
-                                                num_computed, batch)
+        ids, pos, meta = runner._model_inputs(runner._prepare_inputs(
+            [f"r{i}" for i in range(batch)], slots, q_lens, num_computed, batch))
         outs.append(runner.model(ids, pos, runner.kv_caches, meta))
     return float((outs[0] - outs[1]).abs().max())
 

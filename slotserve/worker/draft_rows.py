@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from slotserve.core.outputs import GrammarOutput
 from slotserve.errors import InvariantViolation
 from slotserve.worker.input_batch import InputBatch
-from slotserve.worker.sampler import SamplingMetadata, grammar_bias
+from slotserve.worker.sampling_arrays import SamplingArrays
 
 
 def write_drafts(b: InputBatch, req_ids: list[str], slots: np.ndarray,
@@ -57,11 +56,11 @@ def verify_drafts(b: InputBatch, slots: np.ndarray, counts: np.ndarray,
     return kept
 
 
-def grammar_metadata(meta: SamplingMetadata, grammar_output: GrammarOutput, ids: list[str],
-                     sample_ids: list[str], vocab_size: int, device: torch.device) -> None:
-    """The bias rows of this run's requests (a step isolating a failure runs them one by one);
-    every one of them must sample. `sample_ids`: the request of each sampled row; a request
-    verifying drafts has a row per verified position, in order, as its bitmask has."""
+def grammar_rows(arrays: SamplingArrays, grammar_output: GrammarOutput, ids: list[str],
+                 sample_ids: list[str]) -> None:
+    """The bitmask rows of this run's requests (a step isolating a failure runs them one by
+    one); every one of them must sample. `sample_ids`: the request of each sampled row; a
+    request verifying drafts has a row per verified position, in order, as its bitmask has."""
     row_of: dict[str, list[int]] = {}
     for row, rid in enumerate(sample_ids):
         row_of.setdefault(rid, []).append(row)
@@ -83,5 +82,5 @@ def grammar_metadata(meta: SamplingMetadata, grammar_output: GrammarOutput, ids:
     if len(picks) != len(bitmask):
         bitmask = bitmask[picks]
     if rows != list(range(len(sample_ids))):
-        meta.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-    meta.grammar_bias = grammar_bias(bitmask, vocab_size, device)
+        arrays.grammar_rows = np.array(rows, dtype=np.int64)
+    arrays.grammar_bitmask = bitmask

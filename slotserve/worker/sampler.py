@@ -20,16 +20,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from slotserve.worker.sampling_arrays import (
+    SampledArrays,
+    SamplingArrays,
+    mix_seed as mix_seed,  # re-exported: its home before
+)
+
 _GREEDY_EPS = 1e-5
-_MASK64 = (1 << 64) - 1
 
-
-def mix_seed(seed: int, index: int) -> int:
-    """A splitmix64-style hash of (seed, output index) -> a 63-bit generator seed."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
 
 @dataclass(slots=True)
@@ -63,6 +63,49 @@ class SamplingMetadata:
     grammar_rows: torch.Tensor | None = None
     grammar_bias: torch.Tensor | None = None
 
+    @classmethod
+    def from_arrays(cls, arrays: SamplingArrays, device: torch.device,
+                    vocab_size: int) -> SamplingMetadata:
+        """The runner's numpy record as tensors on `device`; the grammar's packed bitmask, if
+        it is set yet, becomes its additive bias (grammar_bias())."""
+        # Spelled out, not a loop over the names: this runs in every step, mostly on cold
+        # caches after the previous step's pass over the weights.
+        a = arrays
+        meta = cls(
+            temperature=_tensor(a.temperature, device), all_greedy=a.all_greedy,
+            top_k=None if a.top_k is None else _tensor(a.top_k, device),
+            top_p=None if a.top_p is None else _tensor(a.top_p, device),
+            min_p=None if a.min_p is None else _tensor(a.min_p, device),
+            row_seeds=a.row_seeds,
+            repetition_penalty=(None if a.repetition_penalty is None
+                                else _tensor(a.repetition_penalty, device)),
+            frequency_penalty=(None if a.frequency_penalty is None
+                               else _tensor(a.frequency_penalty, device)),
+            presence_penalty=(None if a.presence_penalty is None
+                              else _tensor(a.presence_penalty, device)),
+            prompt_output_ids=(None if a.prompt_output_ids is None
+                               else _tensor(a.prompt_output_ids, device)),
+            output_ids=None if a.output_ids is None else _tensor(a.output_ids, device),
+            masked_rows=None if a.masked_rows is None else _tensor(a.masked_rows, device),
+            masked_tokens=(None if a.masked_tokens is None
+                           else _tensor(a.masked_tokens, device)),
+            bias_rows=None if a.bias_rows is None else _tensor(a.bias_rows, device),
+            bias_tokens=None if a.bias_tokens is None else _tensor(a.bias_tokens, device),
+            bias_values=None if a.bias_values is None else _tensor(a.bias_values, device),
+            max_num_logprobs=a.max_num_logprobs)
+        if a.grammar_bitmask is not None:
+            meta.set_grammar(a, device, vocab_size)
+        return meta
+
+    def set_grammar(self, arrays: SamplingArrays, device: torch.device,
+                    vocab_size: int) -> None:
+        """The grammar's rows of `arrays` (set after the forward pass, which its bitmask is
+        computed beside); the packed bitmask becomes the additive bias."""
+        assert arrays.grammar_bitmask is not None
+        if arrays.grammar_rows is not None:
+            self.grammar_rows = torch.from_numpy(arrays.grammar_rows).to(device)
+        self.grammar_bias = grammar_bias(arrays.grammar_bitmask, vocab_size, device)
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -72,6 +115,17 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+
+    def to_arrays(self) -> SampledArrays:
+        """As numpy arrays on the host (what the runner reads)."""
+        out = SampledArrays(sampled=self.sampled.cpu().numpy())
+        if self.sampled_logprobs is not None:
+            out.sampled_logprobs = self.sampled_logprobs.cpu().numpy()
+        if self.topk_ids is not None:
+            out.topk_ids = self.topk_ids.cpu().numpy()
+        if self.topk_logprobs is not None:
+            out.topk_logprobs = self.topk_logprobs.cpu().numpy()
+        return out
 
 
 def token_presence(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
