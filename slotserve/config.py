@@ -23,6 +23,9 @@ from slotserve.spec_decode.config import SpeculativeConfig
 # them (models/quantization.py) and multiplies them with 8-bit activations as llama.cpp does;
 # "exact" keeps them too but multiplies with float32 activations (dequantize-then-matmul up
 # to the order of the sums); "none" dequantizes every weight at load.
+# --model-impl: what runs the model (slotserve/native: the native kernels alone, no torch).
+ModelImpl = Literal["auto", "native", "torch"]
+MODEL_IMPLS: tuple[ModelImpl, ...] = ("auto", "native", "torch")
 QuantizationMode = Literal["auto", "exact", "none"]
 QUANTIZATION_MODES: tuple[QuantizationMode, ...] = ("auto", "exact", "none")
 
@@ -92,11 +95,30 @@ KVCacheDtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = get_args(KVCacheDtype)
 
 
+def check_model_impl(name: str) -> ModelImpl:
+    for known in MODEL_IMPLS:
+        if name == known:
+            return known
+    raise ConfigError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {name!r}")
+
+
 def check_kv_cache_dtype(name: str) -> str:
     if name not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                           f"got {name!r}")
     return name
+
+
+def kv_cache_dtype_name(name: str, model_dtype: str, gguf: bool = False) -> str:
+    """The storage type `--kv-cache-dtype name` means: auto is the model's dtype, except for a
+    GGUF file run in float32: float16, llama.cpp's default cache type for the same file (half
+    the bytes per token, so twice the tokens in the same memory and half the attention reads;
+    Gemma 3 270M's greedy continuations equal the float32 cache's,
+    tests/checkpoint/test_gemma_kv_dtype.py)."""
+    check_kv_cache_dtype(name)
+    if name != "auto":
+        return name
+    return "float16" if gguf and model_dtype == "float32" else model_dtype
 
 
 @dataclass(frozen=True, slots=True)

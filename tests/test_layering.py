@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("contract", ("slotserve.core.outputs",)),
     ("checkpoint", ("slotserve.checkpoint",)),
     ("models", ("slotserve.models", "slotserve.lora")),
-    ("worker", ("slotserve.worker",)),
+    # The native runner (no torch) is a worker; engine/native_core.py builds it.
+    ("worker", ("slotserve.worker", "slotserve.native")),
     # Speculative decoding's proposers and draft bookkeeping are the scheduler's (pure Python).
     ("core", ("slotserve.core", "slotserve.spec_decode")),
     ("check", ("slotserve.check",)),

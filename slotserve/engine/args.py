@@ -14,10 +14,12 @@ from slotserve.config import (
     CacheConfig,
     EngineConfig,
     KVCacheDtype,
+    ModelImpl,
     QuantizationMode,
     SchedulerConfig,
     check_kv_cache_dtype,
     check_mode,
+    check_model_impl,
 )
 from slotserve.errors import ConfigError, ModelLoadError
 from slotserve.lora.request import LoRAConfig, LoRARequest, parse_lora_modules
@@ -82,6 +84,11 @@ class EngineArgs:
         "auto", "auto: keep a GGUF file's quantized weights where a kernel runs them, with "
         "8-bit activations as llama.cpp; exact: the same with float32 activations; none: "
         "dequantize every weight at load")
+    # slotserve/native: a GGUF file on the CPU run by the native kernels, without torch.
+    model_impl: ModelImpl = _arg(
+        "auto", "native: the engine core without torch (a GGUF file on the CPU with "
+        "--quantization auto, every step in the native kernels); torch: the torch model; "
+        "auto: native where it runs (no LoRA), else torch")
     # models/kv_storage.py: int8 is q8_0 blocks of one head's values (llama.cpp's q8_0 cache).
     kv_cache_dtype: KVCacheDtype = _arg(
         "auto", "how the KV cache stores K/V: auto (the model dtype; float16 for a GGUF "
@@ -135,6 +142,7 @@ class EngineArgs:
         if os.environ.get(NATIVE_ATTENTION_ENV) == "0" and "native_attention" not in given:
             given["native_attention"] = False
         check_mode(given.get("quantization", "auto"))
+        check_model_impl(given.get("model_impl", "auto"))
         check_kv_cache_dtype(given.get("kv_cache_dtype", "auto"))
         if "speculative_config" in given:
             given["speculative_config"] = SpeculativeConfig.from_any(given["speculative_config"])

@@ -32,6 +32,7 @@ from slotserve.engine.args import EngineArgs
 from slotserve.engine.engine_state import EngineState, snapshot_engine_state
 from slotserve.engine.loading import eos_token_ids, load_model_config, load_tokenizer
 from slotserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineStats, portable
+from slotserve.errors import ConfigError
 from slotserve.memory import resident_bytes
 from slotserve.worker.slots import RequestSlots
 
@@ -92,14 +93,25 @@ class EngineCore:
             self.scheduler.kv_cache_manager.block_pool.kv_events = []
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> EngineCore:
+    def from_engine_args(cls, args: EngineArgs, threads: int | None = None) -> EngineCore:
         """Load the model, size the KV cache from the memory budget (measured after the
-        weights are in memory), then build every part from the one EngineConfig."""
-        import torch
-
+        weights are in memory), then build every part from the one EngineConfig. The native
+        runner (slotserve/native, no torch) where `--model-impl` and the model allow, else
+        the torch model. `threads`: the CPU threads of the forward pass (default: torch's,
+        OMP_NUM_THREADS or the cores)."""
         # Where the core runs, so the utilities a plugin adds to EngineCore exist there too.
         for plugin in filter(None, (args.plugins or "").split(",")):
             importlib.import_module(plugin)
+        if args.seed is not None:
+            random.seed(args.seed)
+        if args.model_impl != "torch":
+            core = cls._native(args, threads)
+            if core is not None:
+                return core
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
         from slotserve.checkpoint import find_gguf
         from slotserve.models.kv_storage import resolve_kv_cache_dtype
         from slotserve.models.loader import load_model, parse_dtype
@@ -109,7 +121,6 @@ class EngineCore:
         path = args.model_path()
         bound = args.max_model_len_bound(load_model_config(path).max_position_embeddings)
         if args.seed is not None:
-            random.seed(args.seed)
             torch.manual_seed(args.seed)
         dtype = parse_dtype(args.dtype)
         device = default_device() if args.device == "auto" else torch.device(args.device)
@@ -133,6 +144,30 @@ class EngineCore:
             overlap = device.type != "cpu"
         return cls(config, runner, _structured_output_manager(
             args, path, model_config, config.scheduler_config.max_num_seqs, overlap))
+
+    @classmethod
+    def _native(cls, args: EngineArgs, threads: int | None) -> EngineCore | None:
+        """The core with the native runner (no torch); None, logged, where the torch model
+        must run it, or ConfigError under `--model-impl native`."""
+        from slotserve.engine.native_core import build_native, native_why_not
+        from slotserve.native.model import NativeUnsupported
+
+        why = native_why_not(args)
+        if why is None:
+            try:
+                config, runner = build_native(args, threads)
+            except NativeUnsupported as exc:
+                why = str(exc)
+            else:
+                assert config.model_config is not None
+                return cls(config, runner, _structured_output_manager(
+                    args, args.model_path(), config.model_config,
+                    config.scheduler_config.max_num_seqs,
+                    overlap=bool(args.grammar_bitmask_overlap)))
+        if args.model_impl == "native":
+            raise ConfigError(f"--model-impl native: {why}")
+        logger.info("the torch model runs this engine: %s", why)
+        return None
 
     # ----- requests in and out ----------------------------------------------------------------
 

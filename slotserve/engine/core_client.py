@@ -93,11 +93,12 @@ class EngineCoreClient(ABC):
 
 def make_client(mode: EngineMode, args: EngineArgs, *,
                 threads: int | None = None) -> EngineCoreClient:
-    """Build the core from `args` where `mode` says (`threads`: the child's torch threads)."""
+    """Build the core from `args` where `mode` says (`threads`: its forward pass's CPU
+    threads; None: the default)."""
     if mode == "inproc":
-        return InprocClient(EngineCore.from_engine_args(args))
+        return InprocClient(EngineCore.from_engine_args(args, threads))
     if mode == "thread":
-        return ThreadClient(EngineCore.from_engine_args(args))
+        return ThreadClient(EngineCore.from_engine_args(args, threads))
     if mode == "process":
         return ProcessClient(args, threads=threads)
     raise ConfigError(f"unknown engine mode {mode!r}; use inproc, thread or process")

@@ -181,11 +181,7 @@ def run_engine_core_process(conn: Connection, args: EngineArgs, threads: int | N
     try:
         # The step loop shares the GIL with the pipe threads and the grammar compiles.
         shorten_switch_interval()
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
-        core = EngineCore.from_engine_args(args)
+        core = EngineCore.from_engine_args(args, threads)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         conn.send(portable(exc))
         return

@@ -87,7 +87,7 @@ class LLMEngine:
                          mode: EngineMode = "inproc", threads: int | None = None,
                          **kwargs: Any) -> LLMEngine:
         """Load the front's tokenizer and start the core where `mode` says (`threads`: the
-        torch threads of a child process); the model's config is the one the core read with
+        CPU threads of its forward pass; None: the default); the model's config is the one the core read with
         the weights (EngineConfig.model_config), in every mode."""
         if engine_args is None:
             engine_args = EngineArgs.from_kwargs(**kwargs)

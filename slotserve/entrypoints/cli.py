@@ -127,7 +127,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        engine = LLMEngine.from_engine_args(engine_args)
+        engine = LLMEngine.from_engine_args(engine_args, threads=threads)
         prompt: PromptType = args.prompt
         if args.chat:
             # The model file's template renders within the server's bounds (a child process

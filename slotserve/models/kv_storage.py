@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from slotserve.config import check_kv_cache_dtype
+from slotserve.config import kv_cache_dtype_name
 
 _BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "int8": torch.int8}
@@ -30,15 +30,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
                            gguf: bool = False) -> torch.dtype:
-    """The storage type of `--kv-cache-dtype name`. auto is the model's dtype, except for a
-    GGUF file run in float32: float16, llama.cpp's default cache type for the same file (half
-    the bytes per token, so twice the tokens in the same memory and half the attention reads;
-    Gemma 3 270M's greedy continuations equal the float32 cache's,
-    tests/checkpoint/test_gemma_kv_dtype.py)."""
-    check_kv_cache_dtype(name)
-    if name != "auto":
-        return _BY_NAME[name]
-    return torch.float16 if gguf and model_dtype == torch.float32 else model_dtype
+    """The storage type of `--kv-cache-dtype name` (config.kv_cache_dtype_name says which)."""
+    model = str(model_dtype).removeprefix("torch.")
+    return _BY_NAME.get(kv_cache_dtype_name(name, model, gguf), model_dtype)
 
 
 def int8_block(head_dim: int) -> int:

@@ -104,7 +104,7 @@ def test_num_blocks_from_memory_budget(tiny_models: dict[str, TinyModel],
                                        caplog: pytest.LogCaptureFixture) -> None:
     model = tiny_models["llama"]
     per_block = block_bytes(ModelConfig.from_pretrained(model.path), 4, torch.float32)
-    with caplog.at_level(logging.INFO, logger="slotserve.worker.kv_cache"):
+    with caplog.at_level(logging.INFO, logger="slotserve.worker.kv_budget"):
         runner = runner_for(model, num_blocks=None, kv_cache_memory=per_block * 37 + 5)
     assert runner.num_blocks == 37
     assert runner.kv_caches[0][0].shape == (37, 4, 2, 16)
