@@ -1,8 +1,8 @@
 """EngineCore: one step = schedule -> execute -> update. Owns the request lifetimes.
 
-It sits between the scheduler (pure Python) and the model runner (torch) and is the only
-place that sees both the SchedulerOutput and the worker's slot table, so it is also where the
-invariant checker runs. It knows token ids only: the front of the engine validates, tokenizes
+It sits between the scheduler (pure Python) and the model runner (torch's, or the native one
+without torch: slotserve/native) and is the only place that sees both the SchedulerOutput and
+the worker's slot table, so it is also where the invariant checker runs. It knows token ids only: the front of the engine validates, tokenizes
 and detokenizes, and talks to it through an EngineCoreClient (engine/core_client.py).
 """
 
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunnerProtocol(Protocol):
-    """What EngineCore needs from a worker (slotserve.worker.model_runner.ModelRunner)."""
+    """What EngineCore needs from a worker (a StepRunner: worker/model_runner.ModelRunner,
+    native/runner.NativeRunner)."""
 
     slots: RequestSlots
     # Seconds spent in the forward pass and sampling in the last step.

@@ -1,5 +1,7 @@
 """Draft tokens in the worker's rows: written after a request's tokens before the verify pass
-(not its tokens until accepted), then kept or dropped from what was sampled at each position."""
+(not its tokens until accepted), then kept or dropped from what was sampled at each position;
+and the grammar bitmask's rows, one per verified position of a request that verifies drafts
+(`grammar_rows`)."""
 
 from __future__ import annotations
 
