@@ -340,7 +340,14 @@ class NativeModel:
         input_ids[i] at positions[i], its K/V written at slot_mapping[i], attending to the
         first ctx_lens[i] tokens of block-table row block_table[i] (the whole batch's
         arrays, int64 contiguous)."""
+        # The C side reads them as contiguous int64: anything else would be read wrong.
+        input_ids, positions, slot_mapping, block_table, ctx_lens = (
+            np.ascontiguousarray(a, dtype=np.int64)
+            for a in (input_ids, positions, slot_mapping, block_table, ctx_lens))
         m = input_ids.shape[0]
+        if not (positions.shape == slot_mapping.shape == ctx_lens.shape == (m,)
+                and block_table.ndim == 2 and block_table.shape[0] == m):
+            raise ValueError("one position, slot, context length and block-table row per row")
         h = self.embed_rows(input_ids)
         rope = self._rope_rows(self.rope, positions)
         local = (rope if self.rope_local is self.rope
@@ -371,7 +378,11 @@ class NativeModel:
 
     def compute_logits(self, hidden: F32) -> F32:
         """Final norm and output projection of the rows given: logits [rows, vocab]."""
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)  # the C reads rows of d
         m, d = hidden.shape
+        if d != self.config.hidden_size:
+            raise ValueError(f"hidden rows of {d} values, the model's are "
+                             f"{self.config.hidden_size}")
         x = np.empty((m, d), dtype=np.float32)
         self.fused.rms_norm(_ptr(hidden), d, _ptr(self.final_norm), _ptr(x), d, m, d,
                             self.config.rms_norm_eps)

@@ -28,14 +28,10 @@ class NativeRunner(StepRunner[np.ndarray]):
         # block-table row (only the columns the step's longest context reaches) and its
         # context through itself.
         rows = np.repeat(inputs.slots, inputs.q_lens)
-        positions = np.ascontiguousarray(inputs.positions, dtype=np.int64)
-        ctx = positions + 1
+        ctx = inputs.positions + 1
         width = -(-int(ctx.max()) // self.block_size)
-        table = np.ascontiguousarray(inputs.block_table[rows, :width], dtype=np.int64)
-        hidden = self.model.forward(np.ascontiguousarray(inputs.input_ids, dtype=np.int64),
-                                    positions,
-                                    np.ascontiguousarray(inputs.slot_mapping, dtype=np.int64),
-                                    table, ctx)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.slot_mapping,
+                                    inputs.block_table[rows, :width], ctx)
         if len(logits_indices) != hidden.shape[0]:
             hidden = hidden[logits_indices]
         return self.model.compute_logits(hidden)
