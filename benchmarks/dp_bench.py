@@ -366,6 +366,8 @@ def main() -> int:
     p.add_argument("--part", choices=("throughput", "prefix", "both", "ceiling"),
                    default="both", help="ceiling: the throughput part's requests on two "
                    "offline engines against one (no HTTP, no Ray): what the cores allow")
+    p.add_argument("--engine-flags", default="",
+                   help="more `slotserve serve` flags for every server (e.g. --model-impl torch)")
     p.add_argument("--model", default=None,
                    help="model for every server (default: the bundled one). On the bundled model "
                    "the serving path, not the engine, bounds throughput; a real model such as "
@@ -398,6 +400,7 @@ def main() -> int:
     args = p.parse_args()
     if args.model:
         ENGINE_FLAGS.extend(["--model", args.model])
+    ENGINE_FLAGS.extend(args.engine_flags.split())
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "dp_bench_logs"
     logs.mkdir(exist_ok=True)
     print(f"load average {os.getloadavg()[0]:.1f}; server logs in {logs}", flush=True)
