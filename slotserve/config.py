@@ -109,6 +109,26 @@ def check_kv_cache_dtype(name: str) -> str:
     return name
 
 
+# The native kernels' storage codes of the KV cache types (the enums in csrc/fused_ops.c and
+# paged_decode.c), by --kv-cache-dtype name.
+KV_STORAGE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
+KV_SCALE_BYTES = 2  # a float16 scale per int8 block, as in llama.cpp's q8_0
+
+
+def int8_block(head_dim: int) -> int:
+    """Values per q8_0 block of an int8 row: 32, or the whole row when head_dim is no
+    multiple of 32."""
+    return 32 if head_dim % 32 == 0 else head_dim
+
+
+def kv_row_elems(head_dim: int, kv_dtype: str) -> int:
+    """Elements of the cache per token and head for a storage type by name (int8: the values,
+    then a float16 scale per block)."""
+    if kv_dtype != "int8":
+        return head_dim
+    return head_dim + KV_SCALE_BYTES * (head_dim // int8_block(head_dim))
+
+
 def kv_cache_dtype_name(name: str, model_dtype: str, gguf: bool = False) -> str:
     """The storage type `--kv-cache-dtype name` means: auto is the model's dtype, except for a
     GGUF file run in float32: float16, llama.cpp's default cache type for the same file (half

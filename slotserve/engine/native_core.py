@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from slotserve.checkpoint import find_gguf
-from slotserve.config import EngineConfig, kv_cache_dtype_name
+from slotserve.config import EngineConfig, kv_cache_dtype_name, kv_row_elems
 from slotserve.engine.args import EngineArgs
 from slotserve.engine.loading import load_model_config
-from slotserve.native.model import KV_DTYPES, NativeModel, kv_row_elems
+from slotserve.native.model import KV_DTYPES, NativeModel
 from slotserve.native.runner import NativeRunner
 from slotserve.worker import kv_budget
 
@@ -77,7 +77,7 @@ def build_native(args: EngineArgs, threads: int | None) -> tuple[EngineConfig, N
     bound = args.max_model_len_bound(cfg.max_position_embeddings)
     model = NativeModel(path, max_positions=bound + 1, threads=threads or default_threads())
     kv = kv_cache_dtype_name(args.kv_cache_dtype, "float32", gguf=True)
-    storage = np.dtype(KV_DTYPES[kv][0])
+    storage = np.dtype(KV_DTYPES[kv])
     per_block = kv_budget.block_bytes(cfg, args.block_size,
                                       kv_row_elems(cfg.head_dim, kv) * storage.itemsize)
     # Sized after the weights are in memory, as the torch path does.

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from slotserve.config import kv_cache_dtype_name
+from slotserve.config import (
+    KV_STORAGE_CODES,
+    int8_block,
+    kv_cache_dtype_name,
+    kv_row_elems,
+)
 
 _BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
             "int8": torch.int8}
-SCALE_BYTES = 2  # a float16 scale per int8 block, as in llama.cpp's q8_0
-# The storage type codes of the native kernels (the enums in csrc/fused_ops.c, paged_decode.c).
-KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+# The storage type codes of the native kernels, by torch dtype.
+KV_CODES = {_BY_NAME[name]: code for name, code in KV_STORAGE_CODES.items()}
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,18 +39,9 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype,
     return _BY_NAME.get(kv_cache_dtype_name(name, model, gguf), model_dtype)
 
 
-def int8_block(head_dim: int) -> int:
-    """Values per q8_0 block of an int8 row: 32, or the whole row when head_dim is no
-    multiple of 32."""
-    return 32 if head_dim % 32 == 0 else head_dim
-
-
 def row_elems(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """Elements of the cache tensor per token and head (int8: the values, then a float16
-    scale per block)."""
-    if kv_dtype != torch.int8:
-        return head_dim
-    return head_dim + SCALE_BYTES * (head_dim // int8_block(head_dim))
+    """Elements of the cache tensor per token and head (config.kv_row_elems)."""
+    return kv_row_elems(head_dim, str(kv_dtype).removeprefix("torch."))
 
 
 def row_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:

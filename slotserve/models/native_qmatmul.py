@@ -128,11 +128,9 @@ class QuantWeight:
 
     @property
     def can_repack(self) -> bool:
-        """Whether this build multiplies the weight faster in its interleaved layout
-        (csrc/q8repack.h: Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K, in groups of 16 rows with AVX-512
-        VNNI, of 8 with AVX2; the rows a multiple of the group)."""
-        rows = self.lib.repack_rows[self.qtype]
-        return self.int8 and rows > 0 and self.n % rows == 0
+        """Whether the int8 path multiplies this weight faster interleaved
+        (QMatmulLib.can_repack)."""
+        return self.int8 and self.lib.can_repack(self.qtype, self.n)
 
     def repacked(self) -> QuantWeight:
         """This weight in the kernel's interleaved layout (a new buffer of the same size;

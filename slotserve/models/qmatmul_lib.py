@@ -108,6 +108,14 @@ class QMatmulLib:
             self.layout[qtype] = (block.value, size.value)
 
 
+    def can_repack(self, qtype: int, rows: int) -> bool:
+        """Whether this build multiplies a `rows`-row weight of `qtype` faster in its
+        interleaved layout (csrc/q8repack.h: Q4_0 / Q5_0 / Q8_0 / Q4_K / Q6_K, in groups of 16
+        rows with AVX-512 VNNI, of 8 with AVX2; the rows a multiple of the group)."""
+        group = self.repack_rows[qtype]
+        return group > 0 and rows % group == 0
+
+
 _PREFETCH_ENV = "SLOTSERVE_PREFETCH"
 # CPU vendors whose hardware prefetcher streams a light type's weight (Q4_0 / Q5_0 / Q8_0)
 # faster without software prefetches at one to three activation rows (AMD Zen 4, the 262k x

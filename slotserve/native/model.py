@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from slotserve.checkpoint import find_gguf, resolve_checkpoint
 from slotserve.checkpoint.gguf_file import GGUFTensor, drop_pages
+from slotserve.config import KV_STORAGE_CODES, kv_row_elems
 from slotserve.model_config import ModelConfig
 from slotserve.models import fused_lib, paged_decode_lib, qmatmul_lib
 from slotserve.models.decode_layers_abi import (
@@ -60,10 +61,9 @@ F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 KINDS = {"Gemma3ForCausalLM": KIND_GEMMA3, "LlamaForCausalLM": KIND_LLAMA,
          "MistralForCausalLM": KIND_LLAMA, "Qwen3ForCausalLM": KIND_LLAMA}
-# --kv-cache-dtype -> (numpy storage type, the kernels' storage code); bfloat16 as raw bits.
-KV_DTYPES: dict[str, tuple[type[np.generic], int]] = {
-    "float32": (np.float32, 0), "bfloat16": (np.uint16, 1), "float16": (np.float16, 2),
-    "int8": (np.int8, 3)}
+# --kv-cache-dtype -> numpy storage type (bfloat16 as raw bits); codes: config.KV_STORAGE_CODES.
+KV_DTYPES: dict[str, type[np.generic]] = {
+    "float32": np.float32, "bfloat16": np.uint16, "float16": np.float16, "int8": np.int8}
 
 
 class NativeUnsupported(Exception):
@@ -72,15 +72,6 @@ class NativeUnsupported(Exception):
 
 def _ptr(a: np.ndarray) -> int:
     return int(a.ctypes.data)
-
-
-def kv_row_elems(head_dim: int, kv_dtype: str) -> int:
-    """Elements per token and KV head (models/kv_storage.row_elems): int8 rows carry a
-    float16 scale per block of 32 values (the whole row when head_dim is no multiple)."""
-    if kv_dtype != "int8":
-        return head_dim
-    block = 32 if head_dim % 32 == 0 else head_dim
-    return head_dim + 2 * (head_dim // block)
 
 
 @dataclass(slots=True)
@@ -122,8 +113,7 @@ def _product(lib: QMatmulLib, shards: list[GGUFTensor], name: str) -> Product:
                                       else run[0].data)
         n, row_bytes = blocks.shape
         packed = 0
-        rows = lib.repack_rows[qtype]
-        if rows > 0 and n % rows == 0:
+        if lib.can_repack(qtype, n):
             out = weight_array(blocks.nbytes).reshape(n, row_bytes)
             rc = lib.repack(qtype, _ptr(blocks), n, k, row_bytes, _ptr(out), out.nbytes)
             if rc != 0:
@@ -143,10 +133,16 @@ def _product(lib: QMatmulLib, shards: list[GGUFTensor], name: str) -> Product:
     return Product(segs, buffers, k, col, int(row_scratch))
 
 
-def _names(cfg: ModelConfig, kind: int) -> list[str]:
-    per = ["input_layernorm", "post_attention_layernorm"]
+def _layer_norms(kind: int) -> list[str]:
+    """A layer's norms in the order LayerRec takes them (Gemma 3 has four)."""
+    names = ["input_layernorm", "post_attention_layernorm"]
     if kind == KIND_GEMMA3:
-        per += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    return names
+
+
+def _names(cfg: ModelConfig, kind: int) -> list[str]:
+    per = _layer_norms(kind)
     attn = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if cfg.qk_norm
                                                       else [])
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -216,10 +212,7 @@ class NativeModel:
         self.products: list[list[Product]] = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
-            names = ["input_layernorm", "post_attention_layernorm"]
-            if self.kind == KIND_GEMMA3:
-                names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-            norms = [self._norm(t[f"{p}{n}.weight"]) for n in names]
+            norms = [self._norm(t[f"{p}{n}.weight"]) for n in _layer_norms(self.kind)]
             if cfg.qk_norm:
                 norms += [self._norm(t[f"{p}self_attn.{n}.weight"]) for n in ("q_norm", "k_norm")]
             self.norms.append(norms)
@@ -248,7 +241,7 @@ class NativeModel:
         cfg = self.config
         d, hd = cfg.hidden_size, cfg.head_dim
         nh, kvh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-        storage, code = KV_DTYPES[kv_dtype]
+        storage, code = KV_DTYPES[kv_dtype], KV_STORAGE_CODES[kv_dtype]
         row = kv_row_elems(hd, kv_dtype)
         shape = (self.num_blocks, self.block_size, kvh, row)
         # np.zeros maps untouched pages: a block becomes resident when first written.

@@ -20,13 +20,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from slotserve.worker.sampler_np import BYTE_BIAS, GREEDY_EPS
 from slotserve.worker.sampling_arrays import (
     SampledArrays,
     SamplingArrays,
     mix_seed as mix_seed,  # re-exported: its home before
 )
 
-_GREEDY_EPS = 1e-5
 
 def _tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x)).to(device)
@@ -151,9 +151,6 @@ def apply_frequency_presence(logits: torch.Tensor, ids: torch.Tensor, frequency:
             - presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
 
 
-# Byte value -> the additive bias of its 8 tokens (bit i of the byte: token 8k + i allowed).
-_BYTE_BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in range(256)],
-                      dtype=np.float32)
 
 
 def grammar_bias(bitmask: npt.NDArray[np.int32], vocab_size: int,
@@ -162,7 +159,7 @@ def grammar_bias(bitmask: npt.NDArray[np.int32], vocab_size: int,
     a token is allowed, -inf where not. On the CPU a byte lookup (a masked_fill over a bool
     mask costs ten times more); on an accelerator bit operations there."""
     if device.type == "cpu":
-        bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8).reshape(-1), axis=0)
+        bias = np.take(BYTE_BIAS, bitmask.view(np.uint8).reshape(-1), axis=0)
         return torch.from_numpy(bias.reshape(bitmask.shape[0], -1))[:, :vocab_size]
     return unpack_grammar_bias(torch.from_numpy(bitmask).to(device, non_blocking=True),
                                vocab_size)
@@ -259,7 +256,7 @@ class Sampler:
             sampled = greedy
         else:
             sampled = self._sample(logits, meta)
-            sampled = torch.where(meta.temperature < _GREEDY_EPS, greedy, sampled)
+            sampled = torch.where(meta.temperature < GREEDY_EPS, greedy, sampled)
 
         out = SamplerOutput(sampled=sampled)
         if raw_logprobs is not None:
@@ -271,7 +268,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         # Greedy rows get temperature 1 so the division is harmless; their result is replaced.
-        temp = torch.where(meta.temperature < _GREEDY_EPS, 1.0, meta.temperature)
+        temp = torch.where(meta.temperature < GREEDY_EPS, 1.0, meta.temperature)
         logits = logits / temp.unsqueeze(1)
         if meta.min_p is not None:
             probs = logits.softmax(dim=-1)

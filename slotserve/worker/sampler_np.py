@@ -26,13 +26,13 @@ import numpy.typing as npt
 
 from slotserve.worker.sampling_arrays import F32, I64, SampledArrays, SamplingArrays
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 _NEG_INF = np.float32(-np.inf)
 # Exp(1) can round to 0; a zero would turn a 0-probability token into NaN.
 _NOISE_MIN = np.float32(1e-20)
 
 # Byte value -> the additive bias of its 8 tokens (bit i of the byte: token 8k + i allowed).
-_BYTE_BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in range(256)],
+BYTE_BIAS = np.array([[0.0 if (b >> i) & 1 else -np.inf for i in range(8)] for b in range(256)],
                       dtype=np.float32)
 
 
@@ -69,7 +69,7 @@ def apply_grammar_bitmask(logits: F32, rows: I64 | None,
     # Row by row: one [V] bias buffer instead of an [M, V] one; a row listed twice adds twice,
     # as torch's index_add_ does.
     for j, row in enumerate(targets):
-        np.take(_BYTE_BIAS, packed[j].view(np.uint8), axis=0, out=bias)
+        np.take(BYTE_BIAS, packed[j].view(np.uint8), axis=0, out=bias)
         logits[row] += bias.reshape(-1)[:vocab]
 
 
@@ -180,7 +180,7 @@ def filtered_logits(logits: F32, arrays: SamplingArrays, rows: I64 | None = None
     with np.errstate(invalid="ignore", over="ignore"):
         for row in range(logits.shape[0]) if rows is None else rows.tolist():
             x = logits[row]
-            if temperature[row] >= _GREEDY_EPS and temperature[row] != 1:
+            if temperature[row] >= GREEDY_EPS and temperature[row] != 1:
                 x /= temperature[row]
             e = None  # exp(x - max), computed once for min-p and top-p
             if min_p is not None and min_p[row] > 0:
@@ -246,7 +246,7 @@ class NumpySampler:
                 sampled = logits.argmax(axis=1).astype(np.int64, copy=False)
             else:
                 sampled = np.empty(num_rows, dtype=np.int64)
-                greedy = arrays.temperature < _GREEDY_EPS
+                greedy = arrays.temperature < GREEDY_EPS
                 for row in np.flatnonzero(greedy).tolist():
                     sampled[row] = logits[row].argmax()
                 # Only the random rows are filtered and drawn: a greedy row's draw is discarded.
