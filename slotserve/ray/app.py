@@ -29,6 +29,9 @@ from slotserve.routing.policy import ROUTER_POLICIES, RouterPolicy
 # How often replicas report their cache to the router (and their metrics to /metrics).
 ROUTING_STATS_PERIOD_S = 1.0
 HEALTH_CHECK_PERIOD_S = 2.0
+# Serve's replicas and routers export their Ray metrics every 100 ms by default; every
+# second is enough for a dashboard and leaves the engines their cores (docs/RAY.md).
+SERVE_ENV = {"RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,8 @@ def build_app(args: dict[str, Any] | None = None, *,
             health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=30.0,
             graceful_shutdown_timeout_s=5.0, request_router_config=router,
             ray_actor_options={"num_cpus": spec.num_cpus, "runtime_env": {"env_vars": {
-                "OMP_NUM_THREADS": str(spec.threads), "TOKENIZERS_PARALLELISM": "false"}}}
+                **SERVE_ENV, "OMP_NUM_THREADS": str(spec.threads),
+                "TOKENIZERS_PARALLELISM": "false"}}}
         )(LLMServer)
         handles[spec.name] = deployment.bind(spec.engine_kwargs, spec.name,
                                              threads=spec.threads, limits=limits,
@@ -121,6 +125,7 @@ def build_app(args: dict[str, Any] | None = None, *,
                                              admin_api_key=admin_api_key,
                                              stream_interval=spec.stream_interval)
     ingress = serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0})(OpenAIIngress)
+                               ray_actor_options={"num_cpus": 0, "runtime_env": {
+                                   "env_vars": SERVE_ENV}})(OpenAIIngress)
     return ingress.bind(handles, {s.name: s.model_path for s in specs}, api_key=api_key,
                         limits=limits, admin_api_key=admin_api_key, enable_admin=enable_admin)

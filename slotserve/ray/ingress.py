@@ -17,6 +17,8 @@ replica of the model.
 import asyncio
 import json
 import logging
+import uuid
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from fastapi import FastAPI, Request, WebSocket
@@ -40,6 +42,7 @@ from slotserve.entrypoints.openai.protocol import ChatCompletionRequest, ModelCa
 from slotserve.entrypoints.openai.serving_chat import render_request
 from slotserve.entrypoints.openai.serving_engine import json_response
 from slotserve.gil_switch import shorten_switch_interval
+from slotserve.ray.outbox import Batch, Mux
 from slotserve.ray.relay import REPLICA_GONE, Relay, fan_out, relay_session, render_metrics
 from slotserve.ray.server import REPLICA_HEADER, ReplicaUnavailable
 from slotserve.ray.state import (
@@ -91,6 +94,8 @@ class OpenAIIngress:
         self.engine_lock = asyncio.Lock()
         # What the ingress answers itself carries its own replica id.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        # Per model: streamed answers' later batches, many per message (`outbox.py`).
+        self.muxes: dict[str, Mux] = {}
 
     async def _engine(self, model: str) -> tuple[dict[str, Any], Processor]:
         """The model's engine facts (from a replica) and a front processor, made once."""
@@ -271,13 +276,25 @@ class OpenAIIngress:
                   if tokens and info["prefix_caching"] else [])
         return model, body, hashes, rendered
 
+    def _mux(self, model: str) -> Mux:
+        if model not in self.muxes:
+            handle = self.models[model].options(stream=True)
+            self.muxes[model] = Mux(lambda replica: cast(
+                AsyncIterator[list[tuple[str, Batch]]],
+                handle.drain_outbox.remote(replica, self.replica_id)))
+        return self.muxes[model]
+
     async def _forward(self, model: str, hashes: list[bytes], method: str, path: str,
                        query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                        client: tuple[str, int], prompt_ids: list[int] | None) -> Response:
         handle = self.models[model].options(stream=True)
+        mux = self._mux(model)
+        stream_id = uuid.uuid4().hex
+        mux.register(stream_id)
         for attempt in range(MAX_RETRIES + 1):
             stream = cast(Batches, handle.handle_http.remote(
-                hashes, method, path, query, headers, body, client, prompt_ids))
+                hashes, method, path, query, headers, body, client, prompt_ids,
+                (self.replica_id, stream_id)))
             try:
                 start = await stream.__anext__()
             except (*REPLICA_GONE, ReplicaUnavailable) as exc:
@@ -288,6 +305,7 @@ class OpenAIIngress:
                 logger.warning("replica died before answering %s (attempt %d): %s", path,
                                attempt, exc)
                 continue
-            return Relay(start, stream)
+            return Relay(start, stream, (mux, stream_id))
+        mux.unregister(stream_id)
         return APIError(503, "no replica could answer the request", code="replica_died"
                         ).response()

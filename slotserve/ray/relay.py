@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any, cast
 
 from fastapi import WebSocket
@@ -19,7 +19,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.types import Receive, Scope, Send
 
 from slotserve.entrypoints.openai.errors import APIError
-from slotserve.ray.server import REPLICA_HEADER
+from slotserve.ray.outbox import OUTBOXED, Mux
+from slotserve.ray.server import REPLICA_HEADER, ends
 
 logger = logging.getLogger(__name__)
 # A pinned call (a session's message, an admin request) waits this long for its replica.
@@ -29,27 +30,73 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 class Relay(Response):
     """Sends the replica's ASGI messages on as they come (SSE streams through), in the
-    batches the replica sends (`server.coalesced`; the first opens with the start)."""
+    batches the replica sends (`server.coalesced`; the first opens with the start). With a
+    `mux`, the batches after the first arrive through the replica's outbox (`outbox.py`)
+    and `rest` ends by saying how many there were."""
 
     def __init__(self, first: list[dict[str, Any]],
-                 rest: AsyncIterator[list[dict[str, Any]]]) -> None:
-        self._first, self._rest = first, rest
+                 rest: DeploymentResponseGenerator[list[dict[str, Any]]],
+                 mux: tuple[Mux, str] | None = None) -> None:
+        self._first, self._rest, self._mux = first, rest, mux
         self.status_code = first[0]["status"]
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        for message in self._first:
-            await send(message)
         try:
-            async for batch in self._rest:
-                for message in batch:
-                    await send(message)
+            for message in self._first:
+                await send(message)
+            if self._mux is None:
+                async for batch in self._rest:
+                    for message in batch:
+                        await send(message)
+            elif not ends(self._first[-1]):
+                await self._multiplexed(send)
         except REPLICA_GONE:
             # The replica died mid-answer: what was sent stays sent; an SSE client gets an
             # error event, then the stream ends.
             error = APIError(500, "the replica serving this request died", code="replica_died")
             await send({"type": "http.response.body", "more_body": False,
                         "body": f"data: {json.dumps(error.body())}\n\n".encode()})
+        finally:
+            if self._mux is not None:
+                self._mux[0].unregister(self._mux[1])
+
+    async def _multiplexed(self, send: Send) -> None:
+        assert self._mux is not None
+        mux, stream_id = self._mux
+        queue = mux.queues[stream_id]
+        headers = dict(self._first[0].get("headers", ()))
+        replica = headers[REPLICA_HEADER.encode()].decode()
+
+        async def watch() -> None:  # this answer's own call: its count, its end, its failure
+            try:
+                async for batch in self._rest:
+                    queue.put_nowait(batch)
+                queue.put_nowait([{"type": "slotserve.done"}])
+            except Exception as exc:  # noqa: BLE001 - handed to the relay
+                queue.put_nowait([{"type": "slotserve.failed", "error": exc}])
+
+        watcher = asyncio.create_task(watch())
+        got, expected = 0, None
+        try:
+            with mux.streaming(replica):
+                while expected is None or got < expected:
+                    batch = await queue.get()
+                    kind = batch[0]["type"]
+                    if kind == OUTBOXED:
+                        expected = batch[0]["count"]
+                    elif kind == "slotserve.done":
+                        expected = got if expected is None else expected
+                    elif kind == "slotserve.failed":
+                        raise batch[0]["error"]
+                    else:
+                        got += 1
+                        for message in batch:
+                            await send(message)
+        finally:
+            if not watcher.done():
+                watcher.cancel()
+                self._rest.cancel()
 
 
 async def relay_session(ws: WebSocket, handle: DeploymentHandle, max_message_bytes: int,

@@ -31,6 +31,7 @@ from slotserve.entrypoints.openai.serving_chat import PROMPT_IDS_SCOPE_KEY
 from slotserve.entrypoints.openai.stream_interval import StreamInterval, check_stream_interval
 from slotserve.errors import EngineDeadError
 from slotserve.gil_switch import shorten_switch_interval
+from slotserve.ray.outbox import Batch, Outbox, split
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-slotserve-replica"
@@ -47,7 +48,7 @@ class ReplicaUnavailable(RuntimeError):
         self.replica_id = replica_id
 
 
-def _ends(message: dict[str, Any]) -> bool:
+def ends(message: dict[str, Any]) -> bool:
     return (message["type"] == "websocket.close" or message["type"] == "http.response.body"
             and not message.get("more_body"))
 
@@ -74,11 +75,11 @@ async def drive_asgi(app: Any, scope: dict[str, Any], inbound: asyncio.Queue[dic
         done = False
         while not done and (message := await sent.get()) is not None:
             batch = [message]
-            while not _ends(batch[-1]) and not sent.empty():
+            while not ends(batch[-1]) and not sent.empty():
                 if (more := sent.get_nowait()) is None:
                     break
                 batch.append(more)
-            done = _ends(batch[-1])
+            done = ends(batch[-1])
             yield batch
     finally:
         inbound.put_nowait(disconnect)  # the ingress went away (or we are done)
@@ -117,7 +118,7 @@ async def coalesced(batches: AsyncIterator[list[dict[str, Any]]], stream_interva
     async for batch in batches:
         held += batch
         if interval.due(sum(m["type"] == "http.response.body" for m in batch),
-                        _ends(held[-1])):
+                        ends(held[-1])):
             yield merge_bodies(held)
             held = []
     if held:
@@ -155,6 +156,8 @@ class LLMServer:
         self.metrics = self.engine.metrics
         # Open WebSocket sessions on this replica: connection id -> what the client sent.
         self.sockets: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        # Streamed answers' later batches, per caller (an ingress replica's id).
+        self.outboxes: dict[str, Outbox] = {}
         cache = self.engine.engine.config.cache_config
         processor = self.engine.processor
         eos = [] if processor.eos_token_id is None else [processor.eos_token_id]
@@ -181,21 +184,33 @@ class LLMServer:
     async def handle_http(self, route: list[bytes] | str, method: str, path: str,
                           query: bytes, headers: list[tuple[bytes, bytes]], body: bytes,
                           client: tuple[str, int] = ("ray-serve-ingress", 0),
-                          prompt_token_ids: list[int] | None = None
-                          ) -> AsyncIterator[list[dict[str, Any]]]:
-        """The app's ASGI messages for one request, in batches (`coalesced`). `route` is the router's (the request's
-        block hashes, or the id of the replica it must go to); `client` is the caller's
-        address, which admission control tells clients apart by; `prompt_token_ids`, a
-        chat's messages as the ingress rendered them (this replica does not render again)."""
+                          prompt_token_ids: list[int] | None = None,
+                          outbox: tuple[str, str] | None = None) -> AsyncIterator[Batch]:
+        """The app's ASGI messages for one request, in batches (`coalesced`). `route` is the
+        router's (the request's block hashes, or the id of the replica it must go to);
+        `client` is the caller's address, which admission control tells clients apart by;
+        `prompt_token_ids`, a chat's messages as the ingress rendered them (this replica
+        does not render again). With `outbox` (the caller's id, this answer's stream id)
+        the batches after the first go to that caller's `Outbox`, and the last message
+        here says how many went there."""
         if self.engine.errored:
             raise ReplicaUnavailable(self.replica_id)
         extra = {} if prompt_token_ids is None else {PROMPT_IDS_SCOPE_KEY: prompt_token_ids}
         inbound: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         inbound.put_nowait({"type": "http.request", "body": body, "more_body": False})
         scope = asgi_scope("http", path, query, headers, client, method=method, **extra)
-        batches = drive_asgi(self.app, scope, inbound, {"type": "http.disconnect"})
-        async for batch in coalesced(batches, self.stream_interval):
+        batches = coalesced(drive_asgi(self.app, scope, inbound, {"type": "http.disconnect"}),
+                            self.stream_interval)
+        if outbox is not None:
+            caller, stream_id = outbox
+            batches = split(batches, self.outboxes.setdefault(caller, Outbox()), stream_id)
+        async for batch in batches:
             yield [self._tagged(m) for m in batch]
+
+    async def drain_outbox(self, route: str, caller: str) -> AsyncIterator[list[tuple[str, Batch]]]:
+        """`caller`'s streamed answers' later batches, many per message (`outbox.Mux`)."""
+        async for items in self.outboxes.setdefault(caller, Outbox()).drain():
+            yield items
 
     def _tagged(self, message: dict[str, Any]) -> dict[str, Any]:
         """A response's start (an HTTP answer's, a WebSocket's accept) with this replica's id
