@@ -49,6 +49,9 @@ class ModelDeployment:
     # SSE events a replica sends on in one message after the first (vLLM's stream_interval):
     # each costs the Ray path per message, not per byte.
     stream_interval: int = 1
+    # Bind each replica's engine core to cores of its own (by its rank on the node); for a
+    # node whose cores the replicas share alone, as `--data-parallel-size` starts it.
+    pin_cores: bool = False
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> ModelDeployment:
@@ -123,7 +126,8 @@ def build_app(args: dict[str, Any] | None = None, *,
                                              tool_call_parser=spec.tool_call_parser,
                                              enable_admin=enable_admin,
                                              admin_api_key=admin_api_key,
-                                             stream_interval=spec.stream_interval)
+                                             stream_interval=spec.stream_interval,
+                                             pin_cores=spec.pin_cores)
     ingress = serve.deployment(name="OpenAIIngress", max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0, "runtime_env": {
                                    "env_vars": SERVE_ENV}})(OpenAIIngress)

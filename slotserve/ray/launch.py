@@ -85,7 +85,8 @@ def serve_replicas(*, engine_kwargs: dict[str, Any], served_model_name: str,
             "num_replicas": num_replicas, "router": router, "threads": per_replica,
             # On the local cluster the replicas share its cores evenly.
             "num_cpus": cores / num_replicas if local else float(per_replica),
-            "tool_call_parser": tool_call_parser, "stream_interval": stream_interval}],
+            "tool_call_parser": tool_call_parser, "stream_interval": stream_interval,
+            "pin_cores": local}],
             api_key=api_key, limits=limits, enable_admin=enable_admin, admin_api_key=admin_api_key)
         serve.run(app, name="slotserve", route_prefix="/")
         logger.info("serving %s on %d replicas (%s router, %d torch threads each) on "

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 Batch = list[dict[str, Any]]
+# The replica method the pump calls (not a request: the router does not count it as load).
+DRAIN_METHOD = "drain_outbox"
 # The last message of an answer whose later batches went to the caller's outbox.
 OUTBOXED = "slotserve.outboxed"
 # After the first batch is ready, how long the outbox waits for the rest of the engine
@@ -98,7 +101,10 @@ class Mux:
     def streaming(self, replica: str) -> Any:
         self.active[replica] = self.active.get(replica, 0) + 1
         if replica not in self.pumps:
-            self.pumps[replica] = asyncio.create_task(self._pump(replica))
+            # A context of its own: Ray would otherwise give the pump's call the id of the
+            # request that started it, and the router matches completions by that id.
+            self.pumps[replica] = asyncio.create_task(self._pump(replica),
+                                                      context=contextvars.Context())
         try:
             yield
         finally:

@@ -22,6 +22,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from slotserve.ray.outbox import DRAIN_METHOD
 from slotserve.ray.state import avoided, model_reports, router_loads, set_live_replicas
 from slotserve.routing.policy import (
     InFlight,
@@ -35,6 +36,7 @@ from slotserve.routing.policy import (
 # router's requests: a count above zero then is a completion Ray never reported, and left
 # alone it would steer every cold request away from that replica for good.
 STALE_INFLIGHT_S = 3.0
+MAX_UNCOUNTED = 1024
 
 
 def _route_of(pending: PendingRequest | None) -> list[bytes] | str:
@@ -65,6 +67,9 @@ class PrefixAwareRouter(RequestRouter):
         self._reserved = Reservations()
         self._last_routed: dict[str, float] = {}
         self._seen_stats: dict[str, int] = {}
+        # The pumps' calls (`outbox.Mux`), oldest first; bounded, since one that completed
+        # before Ray reported it routed is never taken out.
+        self._uncounted: dict[str, None] = {}
         set_live_replicas(model, getattr(self, "_live", []))
 
     def _absorb_reports(self, replicas: list[RunningReplica]) -> None:
@@ -117,6 +122,11 @@ class PrefixAwareRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         rid = replica_id.unique_id
+        if pending_request.metadata.call_method == DRAIN_METHOD:  # not load
+            self._uncounted[pending_request.metadata.internal_request_id] = None
+            while len(self._uncounted) > MAX_UNCOUNTED:
+                del self._uncounted[next(iter(self._uncounted))]
+            return
         now = time.monotonic()
         if not isinstance(_route_of(pending_request), str):  # pinned ones reserved nothing
             self._reserved.settle(rid, now)
@@ -125,4 +135,6 @@ class PrefixAwareRouter(RequestRouter):
         self._inflight.routed(pending_request.metadata.internal_request_id, rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._uncounted.pop(internal_request_id, False) is None:
+            return
         self._inflight.completed(internal_request_id, replica_id.unique_id, time.monotonic())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -125,6 +126,23 @@ async def coalesced(batches: AsyncIterator[list[dict[str, Any]]], stream_interva
         yield merge_bodies(held)
 
 
+def pin_engine(core: Any, rank: Any, threads: int) -> list[int]:
+    """Bind the engine core process to this replica's own cores: the cores this process
+    may use, `threads` for each replica by its rank on the node. Two engines left to the
+    scheduler on 2 cores migrate and evict each other's caches: pinned, 2 replicas made
+    3-7% more tokens a second (docs/RAY.md). Nothing is pinned when they would not fit."""
+    pid = getattr(core, "pid", None)
+    local_rank = getattr(rank, "local_rank", None)
+    cores = sorted(os.sched_getaffinity(0))
+    if pid is None or local_rank is None or (local_rank + 1) * threads > len(cores):
+        return []
+    mine = cores[local_rank * threads:(local_rank + 1) * threads]
+    for task in os.listdir(f"/proc/{pid}/task"):  # threads made later inherit it
+        os.sched_setaffinity(int(task), mine)
+    logger.info("engine core %d pinned to cores %s", pid, mine)
+    return mine
+
+
 def asgi_scope(kind: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                client: tuple[str, int], **extra: Any) -> dict[str, Any]:
     scope = {"type": kind, "asgi": {"version": "3.0"}, "http_version": "1.1",
@@ -141,11 +159,16 @@ class LLMServer:
     def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str,
                  threads: int | None = None, limits: ServerLimits | None = None,
                  tool_call_parser: str | None = None, enable_admin: bool = False,
-                 admin_api_key: str | None = None, stream_interval: int = 1) -> None:
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+                 admin_api_key: str | None = None, stream_interval: int = 1,
+                 pin_cores: bool = False) -> None:
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         shorten_switch_interval()  # as `slotserve serve` does: the front shares a GIL
         self.engine = AsyncLLM.from_engine_args(engine_mode="process", threads=threads,
                                                 **engine_kwargs)
+        if pin_cores:
+            pin_engine(self.engine.engine.engine_core, getattr(context, "rank", None),
+                       threads or 1)
         self.app = build_app(self.engine, served_model_names=[served_model_name],
                              limits=limits, shutdown_engine=False,
                              tool_call_parser=tool_call_parser,

@@ -132,3 +132,31 @@ def test_relay_sends_each_answer_whole_through_the_mux() -> None:
 async def _never() -> dict[str, Any]:
     await asyncio.Event().wait()
     return {}
+
+
+def test_a_replica_dying_mid_answer_ends_it_with_an_error_event() -> None:
+    from ray.exceptions import RayActorError
+
+    async def dies() -> AsyncIterator[Batch]:
+        yield [START, body("a")]
+        await asyncio.sleep(0.01)
+        raise RayActorError()
+
+    async def go() -> tuple[list[dict[str, Any]], Mux]:
+        box = Outbox()
+        mux = Mux(lambda replica: box.drain())
+        mux.register("s")
+        call = Call(dies())
+        first = await call.__anext__()
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await Relay(first, call, (mux, "s"))({"type": "http"}, _never, send)  # type: ignore[arg-type]
+        return sent, mux
+
+    sent, mux = asyncio.run(go())
+    assert sent[:2] == [START, body("a")]
+    assert sent[-1]["more_body"] is False and b"replica_died" in sent[-1]["body"]
+    assert not mux.queues
