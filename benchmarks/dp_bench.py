@@ -11,7 +11,9 @@ raised so none is refused) to `slotserve serve --threads 1`, `--threads 2` and
 `--data-parallel-size 2 --threads 1`; output tokens per second and their ratios, each against
 its target (dp2 >= 1.7x threads 1, and above threads 2). Each server's CPU seconds per
 process are printed, and per replica the tokens it generated and how long its engine loop was
-busy (wall and CPU: a loop busier in wall than in CPU waited for a core).
+busy (wall and CPU: a loop busier in wall than in CPU waited for a core). Then (all setups
+run) the same requests on two offline engines at once, the bound of this run's 2 replicas
+against its one process: no HTTP, no Ray, each engine's own Python in its process.
 
 Part `ceiling`: the same requests on two offline engines started together (half each, one
 process and one thread each) against one offline engine with all of them: no HTTP, no Ray,
@@ -159,6 +161,11 @@ def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         return out
     base = out["1 process x 1 thread"]["throughput"]
     two = out["1 process x 2 threads"]["throughput"]
+    if not args.setups:  # the bound of this run: two offline engines at once, no serving
+        ceiling = out["ceiling"] = offline_engines(args.model, [reqs[0::2], reqs[1::2]], logs)
+        print(f"2 offline engines at once {ceiling:8.1f} output tok/s  (x{ceiling / base:.2f}"
+              " of 1 process x 1 thread: what 2 replicas would give if serving cost no CPU)",
+              flush=True)
     for name in [n for n in out if n.startswith("2 replicas")]:
         dp2 = out[name]["throughput"]
         verdict(f"{name} / 1 process x 1 thread", dp2 / base, ">=", 1.7)

@@ -279,9 +279,10 @@ class OpenAIIngress:
     def _mux(self, model: str) -> Mux:
         if model not in self.muxes:
             handle = self.models[model].options(stream=True)
-            self.muxes[model] = Mux(lambda replica: cast(
-                AsyncIterator[list[tuple[str, Batch]]],
-                handle.drain_outbox.remote(replica, self.replica_id)))
+            self.muxes[model] = Mux(
+                lambda replica: cast(AsyncIterator[list[tuple[str, Batch]]],
+                                     handle.drain_outbox.remote(replica, self.replica_id)),
+                lambda replica: replica in live_replicas(model))
         return self.muxes[model]
 
     async def _forward(self, model: str, hashes: list[bytes], method: str, path: str,

@@ -82,9 +82,11 @@ class Mux:
     """The ingress side: one pump per replica while answers stream from it, each batch
     handed to its answer's queue."""
 
-    def __init__(self, open_drain: Callable[[str], AsyncIterator[list[tuple[str, Batch]]]]
-                 ) -> None:
+    def __init__(self, open_drain: Callable[[str], AsyncIterator[list[tuple[str, Batch]]]],
+                 alive: Callable[[str], bool] = lambda replica: True) -> None:
         self.open_drain = open_drain
+        # A pinned call to a replica Serve no longer lists would wait for it for ever.
+        self.alive = alive
         self.queues: dict[str, asyncio.Queue[Batch]] = {}
         self.active: dict[str, int] = {}  # replica -> answers streaming from it
         self.pumps: dict[str, asyncio.Task[None]] = {}
@@ -112,7 +114,7 @@ class Mux:
 
     async def _pump(self, replica: str) -> None:
         try:
-            while self.active.get(replica):
+            while self.active.get(replica) and self.alive(replica):
                 got = False
                 async for items in self.open_drain(replica):
                     got = True
