@@ -306,7 +306,7 @@ class OpenAIIngress:
                 logger.warning("replica died before answering %s (attempt %d): %s", path,
                                attempt, exc)
                 continue
-            return Relay(start, stream, (mux, stream_id))
+            return Relay(start, stream, mux, stream_id)
         mux.unregister(stream_id)
         return APIError(503, "no replica could answer the request", code="replica_died"
                         ).response()

@@ -29,15 +29,14 @@ REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
 class Relay(Response):
-    """Sends the replica's ASGI messages on as they come (SSE streams through), in the
-    batches the replica sends (`server.coalesced`; the first opens with the start). With a
-    `mux`, the batches after the first arrive through the replica's outbox (`outbox.py`)
-    and `rest` ends by saying how many there were."""
+    """Sends a replica's answer on as it comes (SSE streams through): the first batch came
+    back on the answer's own call (`rest`), the later ones arrive through the replica's
+    outbox (`outbox.py`), and `rest` ends by saying how many there were."""
 
     def __init__(self, first: list[dict[str, Any]],
-                 rest: DeploymentResponseGenerator[list[dict[str, Any]]],
-                 mux: tuple[Mux, str] | None = None) -> None:
-        self._first, self._rest, self._mux = first, rest, mux
+                 rest: DeploymentResponseGenerator[list[dict[str, Any]]], mux: Mux,
+                 stream_id: str) -> None:
+        self._first, self._rest, self._mux, self._stream_id = first, rest, mux, stream_id
         self.status_code = first[0]["status"]
         self.background = None
 
@@ -45,12 +44,8 @@ class Relay(Response):
         try:
             for message in self._first:
                 await send(message)
-            if self._mux is None:
-                async for batch in self._rest:
-                    for message in batch:
-                        await send(message)
-            elif not ends(self._first[-1]):
-                await self._multiplexed(send)
+            if not ends(self._first[-1]):
+                await self._rest_of_it(send)
         except REPLICA_GONE:
             # The replica died mid-answer: what was sent stays sent; an SSE client gets an
             # error event, then the stream ends.
@@ -58,13 +53,10 @@ class Relay(Response):
             await send({"type": "http.response.body", "more_body": False,
                         "body": f"data: {json.dumps(error.body())}\n\n".encode()})
         finally:
-            if self._mux is not None:
-                self._mux[0].unregister(self._mux[1])
+            self._mux.unregister(self._stream_id)
 
-    async def _multiplexed(self, send: Send) -> None:
-        assert self._mux is not None
-        mux, stream_id = self._mux
-        queue = mux.queues[stream_id]
+    async def _rest_of_it(self, send: Send) -> None:
+        queue = self._mux.queues[self._stream_id]
         headers = dict(self._first[0].get("headers", ()))
         replica = headers[REPLICA_HEADER.encode()].decode()
 
@@ -79,13 +71,13 @@ class Relay(Response):
         watcher = asyncio.create_task(watch())
         got, expected = 0, None
         try:
-            with mux.streaming(replica):
+            with self._mux.streaming(replica):
                 while expected is None or got < expected:
                     batch = await queue.get()
                     kind = batch[0]["type"]
                     if kind == OUTBOXED:
                         expected = batch[0]["count"]
-                    elif kind == "slotserve.done":
+                    elif kind == "slotserve.done":  # nothing went to the outbox
                         expected = got if expected is None else expected
                     elif kind == "slotserve.failed":
                         raise batch[0]["error"]

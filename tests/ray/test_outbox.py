@@ -114,7 +114,7 @@ def test_relay_sends_each_answer_whole_through_the_mux() -> None:
             async def send(message: Any) -> None:
                 sent.append(message)
 
-            await Relay(first, call, (mux, sid))(  # type: ignore[arg-type]
+            await Relay(first, call, mux, sid)(  # type: ignore[arg-type]
                 {"type": "http"}, _never, send)
             assert sent[-1]["more_body"] is False and not call.cancelled
             out[sid] = b"".join(m.get("body", b"") for m in sent)
@@ -153,7 +153,8 @@ def test_a_replica_dying_mid_answer_ends_it_with_an_error_event() -> None:
         async def send(message: Any) -> None:
             sent.append(message)
 
-        await Relay(first, call, (mux, "s"))({"type": "http"}, _never, send)  # type: ignore[arg-type]
+        await Relay(first, call, mux, "s")(  # type: ignore[arg-type]
+            {"type": "http"}, _never, send)
         return sent, mux
 
     sent, mux = asyncio.run(go())
