@@ -13,6 +13,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 pytest.importorskip("ray.serve")
@@ -57,6 +58,11 @@ def test_serve_data_parallel_streams_through_the_ingress_and_stops_clean(ray_tur
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         assert chunks[-1].choices[0].finish_reason == "length"
         assert httpx.get(f"{url}/health", timeout=30).headers[REPLICA_HEADER]
+        # Each replica's engine core runs on a core of its own (the local cluster pins them).
+        pinned = sorted(tuple(sorted(os.sched_getaffinity(core.pid)))
+                        for core in _engine_cores(proc.pid))
+        assert len(pinned) == 2 and all(len(c) == 1 for c in pinned), pinned
+        assert pinned[0] != pinned[1], pinned
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -69,3 +75,15 @@ def test_serve_data_parallel_streams_through_the_ingress_and_stops_clean(ray_tur
     while _ray_processes() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _ray_processes() == []
+
+
+def _engine_cores(server_pid: int) -> list[psutil.Process]:
+    """The engine core processes under the replicas' actors (children of a LLMServer)."""
+    cores = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "LLMServer" in " ".join(p.info["cmdline"] or []):
+                cores += [c for c in p.children() if "child_main" in " ".join(c.cmdline())]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return cores
