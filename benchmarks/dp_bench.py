@@ -1,7 +1,7 @@
 """Data parallelism on this machine: 2 Ray Serve replicas x 1 thread against one process x 1
 and x 2 threads, and the prefix router against pow2 on a shared-prefix workload.
 
-    python benchmarks/dp_bench.py --part throughput     # about 3 minutes (needs idle cores)
+    python benchmarks/dp_bench.py --part throughput --rounds 3  # about 8 minutes (idle cores)
     python benchmarks/dp_bench.py --part prefix --json dp.json   # about 6 minutes
     python benchmarks/dp_bench.py --part ceiling        # about 1 minute on Gemma
 
@@ -125,8 +125,10 @@ def run(url: str, requests: list[client.BenchRequest], at: list[float]) -> dict[
 
 def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     vocab = client.model_vocab_size(None)
-    reqs = client.make_dataset(args.num_prompts, args.input_len, args.output_len, 0.5, vocab,
-                               args.seed)
+    # Round k's requests (the same in every setup); fresh prompts each round, so no round
+    # finds the one before it cached.
+    rounds = [client.make_dataset(args.num_prompts, args.input_len, args.output_len, 0.5,
+                                  vocab, args.seed + 100 * k) for k in range(args.rounds)]
     setups = {"1 process x 1 thread": ["--threads", "1"],
               "1 process x 2 threads": ["--threads", "2"],
               "2 replicas x 1 thread": ["--data-parallel-size", "2", "--threads", "1"]}
@@ -142,27 +144,37 @@ def part_throughput(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     for name, flags in setups.items():
         if args.setups and name not in args.setups.split(";"):
             continue
+        runs = []
         with server(flags, logs / f"{name.replace(' ', '_')}.log") as url:
             run(url, warm, [0.0] * 8)  # warm-up
-            time.sleep(2.5)  # the replicas' next reports carry the warm-up
-            split0 = per_replica(url)
-            cpu0, me0, t0 = process_cpu(SERVER_PIDS[url]), time.process_time(), time.time()
-            r = out[name] = run(url, reqs, [0.0] * len(reqs))
-            wall = time.time() - t0
-            cpu1, me1 = process_cpu(SERVER_PIDS[url]), time.process_time()
-            time.sleep(2.5)
-            split1 = per_replica(url)
-        print(f"{name:<24} {r['throughput']:8.1f} output tok/s  ({r['failed']} failed; "
-              f"load average {os.getloadavg()[0]:.1f}; the load generator {me1 - me0:.1f} "
-              "CPU s)", flush=True)
+            for reqs in rounds:
+                time.sleep(2.5)  # the replicas' next reports carry what ran before
+                split0 = per_replica(url)
+                cpu0, me0, t0 = process_cpu(SERVER_PIDS[url]), time.process_time(), time.time()
+                r = run(url, reqs, [0.0] * len(reqs))
+                wall = time.time() - t0
+                cpu1, me1 = process_cpu(SERVER_PIDS[url]), time.process_time()
+                time.sleep(2.5)
+                runs.append((r, split0, per_replica(url), cpu0, cpu1, wall, me1 - me0))
+        # The median round stands for the setup (its CPU and split are printed).
+        r, split0, split1, cpu0, cpu1, wall, me = sorted(runs, key=lambda x: x[0]["throughput"]
+                                                        )[len(runs) // 2]
+        r["rounds"] = [x[0]["throughput"] for x in runs]
+        each = "" if len(runs) == 1 else " (median of " + " / ".join(
+            f"{t:.1f}" for t in r["rounds"]) + ")"
+        print(f"{name:<24} {r['throughput']:8.1f} output tok/s{each}  ({r['failed']} failed; "
+              f"load average {os.getloadavg()[0]:.1f}; the load generator {me:.1f} CPU s)",
+              flush=True)
         r["cpu_s"] = cpu_table(cpu0, cpu1, wall)
         r["replicas"] = replica_split(split0, split1, wall)
+        out[name] = r
     if "1 process x 1 thread" not in out or "1 process x 2 threads" not in out:
         return out
     base = out["1 process x 1 thread"]["throughput"]
     two = out["1 process x 2 threads"]["throughput"]
     if not args.setups:  # the bound of this run: two offline engines at once, no serving
-        ceiling = out["ceiling"] = offline_engines(args.model, [reqs[0::2], reqs[1::2]], logs)
+        bounds = [offline_engines(args.model, [reqs[0::2], reqs[1::2]], logs) for reqs in rounds]
+        ceiling = out["ceiling"] = statistics.median(bounds)
         print(f"2 offline engines at once {ceiling:8.1f} output tok/s  (x{ceiling / base:.2f}"
               " of 1 process x 1 thread: what 2 replicas would give if serving cost no CPU)",
               flush=True)
@@ -386,6 +398,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="throughput: timed rounds per setup "
+                   "(fresh prompts each; the median stands)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=600)
     p.add_argument("--prefix-num-blocks", type=int, default=128,
